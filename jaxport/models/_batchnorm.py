@@ -1,0 +1,78 @@
+"""BatchNorm with torch's exact semantics.
+
+flax.linen.BatchNorm updates its running variance with the *biased* batch variance; torch
+normalises with the biased variance but updates `running_var` with the *unbiased* one
+(`var * n / (n - 1)`). Ported weights fine-tuned in train mode would drift from torch's, so
+jaxport uses this module instead. It also keeps torch's `num_batches_tracked` counter so a
+Flax -> torch round trip restores it exactly.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+Dtype = Any
+
+
+class BatchNorm(nn.Module):
+    """torch.nn.BatchNorm2d (affine, track_running_stats) over NHWC inputs.
+
+    Eval: `y = (x - mean) / sqrt(var + eps) * scale + bias` with the running statistics.
+    Train (`train=True`, `mutable=["batch_stats"]`): normalise with the batch mean and biased
+    batch variance over (N, H, W); then `mean <- (1 - m) mean + m batch_mean` and
+    `var <- (1 - m) var + m batch_var * n / (n - 1)`, `num_batches_tracked += 1`, as torch.
+    Statistics are computed in at least float32 whatever the input dtype.
+
+    Attributes:
+      momentum: torch's momentum (0.1), i.e. flax's `1 - momentum`.
+      epsilon: torch's eps.
+      axis_name: if set, batch statistics are averaged over this mesh axis (SyncBatchNorm);
+        every device must hold the same number of examples.
+      zero_scale: initialise `scale` to zeros (torchvision's `zero_init_residual`).
+      param_dtype: dtype of `scale`, `bias`, `mean`, `var`.
+    """
+
+    momentum: float = 0.1
+    epsilon: float = 1e-5
+    axis_name: str | None = None
+    zero_scale: bool = False
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        features = x.shape[-1]
+        scale = self.param(
+            "scale", nn.initializers.zeros if self.zero_scale else nn.initializers.ones, (features,), self.param_dtype
+        )
+        bias = self.param("bias", nn.initializers.zeros, (features,), self.param_dtype)
+        ra_mean = self.variable("batch_stats", "mean", jnp.zeros, (features,), self.param_dtype)
+        ra_var = self.variable("batch_stats", "var", jnp.ones, (features,), self.param_dtype)
+        count = self.variable("batch_stats", "num_batches_tracked", jnp.zeros, (), jnp.int32)
+
+        stat_dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
+        xs = x.astype(stat_dtype)
+        if train:
+            axes = tuple(range(x.ndim - 1))
+            mean = jnp.mean(xs, axes)
+            if self.axis_name is not None:
+                mean = jax.lax.pmean(mean, self.axis_name)
+            # Two passes (centre, then square) rather than E[x^2] - E[x]^2: no cancellation.
+            var = jnp.mean(jnp.square(xs - mean), axes)
+            n = x.size // features
+            if self.axis_name is not None:
+                var = jax.lax.pmean(var, self.axis_name)
+                n = n * jax.lax.psum(1, self.axis_name)
+            if not self.is_initializing():
+                m = self.momentum
+                unbiased = var * (n / max(n - 1, 1)) if isinstance(n, int) else var * n / jnp.maximum(n - 1, 1)
+                ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(self.param_dtype)
+                ra_var.value = ((1 - m) * ra_var.value + m * unbiased).astype(self.param_dtype)
+                count.value = count.value + 1
+        else:
+            mean, var = ra_mean.value, ra_var.value
+        inv = jax.lax.rsqrt(var.astype(stat_dtype) + self.epsilon) * scale.astype(stat_dtype)
+        y = (xs - mean.astype(stat_dtype)) * inv + bias.astype(stat_dtype)
+        return y.astype(x.dtype)

@@ -1,0 +1,309 @@
+"""torchvision's ResNet family as one configurable Flax Linen module.
+
+The module reproduces `torchvision.models.resnet` exactly: same layer order, explicit symmetric
+padding (never 'SAME', which pads stride-2 layers asymmetrically), max-pool padded with -inf,
+the ResNet v1.5 stride placement (on the 3x3 conv of a bottleneck), and parameter paths that
+mirror torchvision's module names (`layer1/0/conv1` <-> `layer1.0.conv1`). Inputs are NHWC.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .._errors import ConfigError
+from ._batchnorm import BatchNorm
+
+Dtype = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ResNetSpec:
+    """One row of the architecture table: what torchvision's constructor is called with."""
+
+    block: str  # "basic" or "bottleneck"
+    layers: tuple[int, int, int, int]
+    groups: int = 1
+    width_per_group: int = 64
+
+    @property
+    def expansion(self) -> int:
+        return 4 if self.block == "bottleneck" else 1
+
+
+#: torchvision's named constructors and their arguments (torchvision/models/resnet.py).
+ARCHS: dict[str, ResNetSpec] = {
+    "resnet18": ResNetSpec("basic", (2, 2, 2, 2)),
+    "resnet34": ResNetSpec("basic", (3, 4, 6, 3)),
+    "resnet50": ResNetSpec("bottleneck", (3, 4, 6, 3)),
+    "resnet101": ResNetSpec("bottleneck", (3, 4, 23, 3)),
+    "resnet152": ResNetSpec("bottleneck", (3, 8, 36, 3)),
+    "resnext50_32x4d": ResNetSpec("bottleneck", (3, 4, 6, 3), groups=32, width_per_group=4),
+    "resnext101_32x8d": ResNetSpec("bottleneck", (3, 4, 23, 3), groups=32, width_per_group=8),
+    "resnext101_64x4d": ResNetSpec("bottleneck", (3, 4, 23, 3), groups=64, width_per_group=4),
+    "wide_resnet50_2": ResNetSpec("bottleneck", (3, 4, 6, 3), width_per_group=128),
+    "wide_resnet101_2": ResNetSpec("bottleneck", (3, 4, 23, 3), width_per_group=128),
+}
+
+# torch initialisers, so a freshly built Flax model is distributed like a fresh torchvision one:
+# convs use kaiming_normal_(mode="fan_out", nonlinearity="relu"); nn.Linear's default is
+# U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for weight and bias alike.
+_conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+_linear_init = nn.initializers.variance_scaling(1.0 / 3.0, "fan_in", "uniform")
+
+
+def _linear_bias_init(fan_in: int) -> Callable:
+    bound = 1.0 / math.sqrt(fan_in)
+
+    def init(key, shape, dtype=jnp.float32):
+        return jax.random.uniform(key, shape, dtype, -bound, bound)
+
+    return init
+
+
+class _Downsample(nn.Module):
+    """torchvision's `downsample = Sequential(conv1x1(stride), BatchNorm2d)`: children `0`, `1`."""
+
+    features: int
+    stride: int
+    norm: Callable
+    conv: Callable
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        x = self.conv(self.features, 1, self.stride, name="0")(x)
+        return self.norm(name="1")(x, train)
+
+
+class _ConvLeaf(nn.Module):
+    """torch.nn.Conv2d(bias=False), symmetric padding `dilation * (k - 1) // 2`; kernel at `<name>/kernel`."""
+
+    features: int
+    kernel: int
+    stride: int = 1
+    groups: int = 1
+    dilation: int = 1
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        k, pad = self.kernel, self.dilation * (self.kernel - 1) // 2
+        in_features = x.shape[-1]
+        if in_features % self.groups:
+            raise ConfigError(f"conv input channels (={in_features}) not divisible by groups (={self.groups})")
+        kernel = self.param(
+            "kernel", _conv_init, (k, k, in_features // self.groups, self.features), self.param_dtype
+        )
+        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        return jax.lax.conv_general_dilated(
+            x,
+            kernel,
+            window_strides=(self.stride, self.stride),
+            padding=((pad, pad), (pad, pad)),
+            rhs_dilation=(self.dilation, self.dilation),
+            dimension_numbers=("NHWC", "HWIO", "NHWC"),
+            feature_group_count=self.groups,
+        )
+
+
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock: conv3x3(stride) -> bn -> relu -> conv3x3 -> bn, + identity."""
+
+    planes: int
+    stride: int = 1
+    downsample: bool = False
+    groups: int = 1
+    base_width: int = 64
+    dilation: int = 1
+    norm: Callable = BatchNorm
+    conv: Callable = _ConvLeaf
+    zero_init_residual: bool = False
+
+    expansion = 1
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        if self.groups != 1 or self.base_width != 64:
+            raise ConfigError("BasicBlock only supports groups=1 and width_per_group=64 (as torchvision)")
+        if self.dilation > 1:
+            raise ConfigError("Dilation > 1 not supported in BasicBlock (as torchvision)")
+        conv = self.conv
+        out = conv(self.planes, 3, self.stride, name="conv1")(x)
+        out = nn.relu(self.norm(name="bn1")(out, train))
+        out = conv(self.planes, 3, name="conv2")(out)
+        out = self.norm(name="bn2", zero_scale=self.zero_init_residual)(out, train)
+        if self.downsample:
+            x = _Downsample(self.planes, self.stride, self.norm, conv, name="downsample")(x, train)
+        return nn.relu(out + x)
+
+
+class Bottleneck(nn.Module):
+    """torchvision's Bottleneck (ResNet v1.5: the stride sits on the 3x3 conv)."""
+
+    planes: int
+    stride: int = 1
+    downsample: bool = False
+    groups: int = 1
+    base_width: int = 64
+    dilation: int = 1
+    norm: Callable = BatchNorm
+    conv: Callable = _ConvLeaf
+    zero_init_residual: bool = False
+
+    expansion = 4
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        width = int(self.planes * (self.base_width / 64.0)) * self.groups
+        conv = self.conv
+        out = conv(width, 1, name="conv1")(x)
+        out = nn.relu(self.norm(name="bn1")(out, train))
+        out = conv(width, 3, self.stride, self.groups, self.dilation, name="conv2")(out)
+        out = nn.relu(self.norm(name="bn2")(out, train))
+        out = conv(self.planes * 4, 1, name="conv3")(out)
+        out = self.norm(name="bn3", zero_scale=self.zero_init_residual)(out, train)
+        if self.downsample:
+            x = _Downsample(self.planes * 4, self.stride, self.norm, conv, name="downsample")(x, train)
+        return nn.relu(out + x)
+
+
+class _Stage(nn.Module):
+    """torchvision's `layerN` Sequential: blocks named `0`, `1`, ..."""
+
+    blocks: Sequence[dict]
+    block_cls: type
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        for i, kwargs in enumerate(self.blocks):
+            x = self.block_cls(**kwargs, name=str(i))(x, train)
+        return x
+
+
+class ResNet(nn.Module):
+    """torchvision's `ResNet` in Flax Linen, NHWC.
+
+    `model.apply(variables, x)` equals torchvision's `model.eval()(x_nchw)` for the same weights
+    (see `torch_compat.torch_to_flax`); `model.apply(variables, x, train=True,
+    mutable=["batch_stats"])` equals `model.train()(x_nchw)`, including the updated running
+    statistics (biased batch variance to normalise, unbiased to update `var`, momentum 0.1).
+
+    Per-stage activations (`stem`, `layer1`..`layer4`, `pooled`) are sown into the
+    `intermediates` collection when it is mutable, for layer-by-layer cross-checks.
+
+    Attributes:
+      block: "basic" or "bottleneck".
+      layers: blocks per stage.
+      num_classes: classifier outputs.
+      zero_init_residual: zero the last BatchNorm scale of each block (torchvision's option).
+      groups, width_per_group: ResNeXt / wide ResNet options, as torchvision's.
+      replace_stride_with_dilation: three bools for layer2..4, as torchvision's.
+      dtype: compute dtype (None: promote inputs and parameters, so float64 weights compute in
+        float64 when `jax_enable_x64` is on).
+      param_dtype: dtype of freshly initialised parameters.
+      bn_axis_name: mesh axis over which BatchNorm reduces batch statistics in train mode
+        (SyncBatchNorm); None keeps statistics per device, as DDP without SyncBatchNorm.
+    """
+
+    block: str
+    layers: Sequence[int]
+    num_classes: int = 1000
+    zero_init_residual: bool = False
+    groups: int = 1
+    width_per_group: int = 64
+    replace_stride_with_dilation: Sequence[bool] | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    bn_axis_name: str | None = None
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        if x.ndim != 4:
+            raise ConfigError(f"ResNet input must be NHWC with 4 dims, got shape {tuple(x.shape)}")
+        block_cls = {"basic": BasicBlock, "bottleneck": Bottleneck}.get(self.block)
+        if block_cls is None:
+            raise ConfigError(f"`block` (={self.block!r}) must be 'basic' or 'bottleneck'")
+        dilate = tuple(self.replace_stride_with_dilation or (False, False, False))
+        if len(dilate) != 3:
+            raise ConfigError(
+                f"`replace_stride_with_dilation` should be None or a 3-element tuple, got {dilate}"
+            )
+        norm = functools.partial(BatchNorm, axis_name=self.bn_axis_name, param_dtype=self.param_dtype)
+        conv = functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype)
+
+        x = conv(64, 7, 2, name="conv1")(x)
+        x = nn.relu(norm(name="bn1")(x, train))
+        # torch's MaxPool2d pads with -inf, so padding never wins the max.
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        self.sow("intermediates", "stem", x)
+
+        inplanes, dilation = 64, 1
+        for i, (planes, n) in enumerate(zip((64, 128, 256, 512), self.layers)):
+            stride = 1 if i == 0 else 2
+            previous_dilation = dilation
+            if i > 0 and dilate[i - 1]:
+                dilation *= stride
+                stride = 1
+            common = dict(groups=self.groups, base_width=self.width_per_group, norm=norm, conv=conv,
+                          zero_init_residual=self.zero_init_residual)
+            blocks = [dict(planes=planes, stride=stride, dilation=previous_dilation,
+                           downsample=stride != 1 or inplanes != planes * block_cls.expansion, **common)]
+            inplanes = planes * block_cls.expansion
+            blocks += [dict(planes=planes, dilation=dilation, **common) for _ in range(1, n)]
+            x = _Stage(blocks, block_cls, name=f"layer{i + 1}")(x, train)
+            self.sow("intermediates", f"layer{i + 1}", x)
+
+        x = jnp.mean(x, axis=(1, 2))
+        self.sow("intermediates", "pooled", x)
+        return nn.Dense(
+            self.num_classes,
+            kernel_init=_linear_init,
+            bias_init=_linear_bias_init(x.shape[-1]),
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            name="fc",
+        )(x)
+
+
+def _constructor(arch: str) -> Callable[..., ResNet]:
+    spec = ARCHS[arch]
+
+    def make(num_classes: int = 1000, **kwargs) -> ResNet:
+        fixed = {"groups": spec.groups, "width_per_group": spec.width_per_group}
+        for key, value in fixed.items():
+            if key in kwargs and kwargs[key] != value:
+                raise ConfigError(f"`{key}` (={kwargs[key]}) is fixed to {value} by {arch}; use ResNet(...) directly")
+            kwargs.pop(key, None)
+        return ResNet(block=spec.block, layers=spec.layers, num_classes=num_classes, **fixed, **kwargs)
+
+    make.__name__ = make.__qualname__ = arch
+    make.__doc__ = (
+        f"torchvision's `{arch}` as a Flax `ResNet` (NHWC). Takes `num_classes` and ResNet's other "
+        "attributes (`zero_init_residual`, `replace_stride_with_dilation`, `dtype`, `bn_axis_name`, ...)."
+    )
+    return make
+
+
+def build(arch: str, **kwargs) -> ResNet:
+    """The Flax ResNet for a torchvision architecture name, e.g. `build("resnet50", num_classes=10)`."""
+    if arch not in ARCHS:
+        raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    return _constructor(arch)(**kwargs)
+
+
+resnet18 = _constructor("resnet18")
+resnet34 = _constructor("resnet34")
+resnet50 = _constructor("resnet50")
+resnet101 = _constructor("resnet101")
+resnet152 = _constructor("resnet152")
+resnext50_32x4d = _constructor("resnext50_32x4d")
+resnext101_32x8d = _constructor("resnext101_32x8d")
+resnext101_64x4d = _constructor("resnext101_64x4d")
+wide_resnet50_2 = _constructor("wide_resnet50_2")
+wide_resnet101_2 = _constructor("wide_resnet101_2")

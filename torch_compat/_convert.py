@@ -1,0 +1,322 @@
+"""torchvision ResNet state_dict <-> Flax variables, as a declarative table.
+
+The table lists every torch module of an architecture with its kind and shape; one rule per
+kind says where each of its tensors goes in the Flax variables and how its layout changes.
+Both directions read the same table, then a strict merge reports every missing, unexpected and
+wrong-shape key at once. Keys are never guessed by trying renames.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Any, Iterator, Mapping
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from jaxport._errors import ConversionError
+from jaxport.models import ARCHS, ResNetSpec
+
+# torch tensor name -> (Flax collection, Flax leaf name, axis permutation torch -> Flax or None)
+_OIHW_TO_HWIO = (2, 3, 1, 0)
+RULES: dict[str, dict[str, tuple[str, str, tuple[int, ...] | None]]] = {
+    "conv": {"weight": ("params", "kernel", _OIHW_TO_HWIO)},
+    "bn": {
+        "weight": ("params", "scale", None),
+        "bias": ("params", "bias", None),
+        "running_mean": ("batch_stats", "mean", None),
+        "running_var": ("batch_stats", "var", None),
+        "num_batches_tracked": ("batch_stats", "num_batches_tracked", None),
+    },
+    "linear": {"weight": ("params", "kernel", (1, 0)), "bias": ("params", "bias", None)},
+}
+# Absent from checkpoints written by torch < 0.4.1; not a weight, so it defaults to 0 rather
+# than failing the strict merge.
+_OPTIONAL = {"num_batches_tracked"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One torch tensor of an architecture: its key, Flax location, shape and layout change."""
+
+    torch_key: str
+    collection: str
+    flax_path: tuple[str, ...]
+    torch_shape: tuple[int, ...]
+    perm: tuple[int, ...] | None
+
+    @property
+    def flax_key(self) -> str:
+        return "/".join((self.collection, *self.flax_path))
+
+
+def _modules(spec: ResNetSpec, num_classes: int) -> Iterator[tuple[str, str, tuple[int, ...]]]:
+    """(torch module name, kind, weight shape) for every module with tensors, in torch order."""
+    yield "conv1", "conv", (64, 3, 7, 7)
+    yield "bn1", "bn", (64,)
+    inplanes, exp = 64, spec.expansion
+    for i, (planes, n) in enumerate(zip((64, 128, 256, 512), spec.layers)):
+        for b in range(n):
+            p = f"layer{i + 1}.{b}"
+            if spec.block == "basic":
+                convs = [(inplanes if b == 0 else planes, planes, 3, 1), (planes, planes, 3, 1)]
+            else:
+                width = int(planes * (spec.width_per_group / 64.0)) * spec.groups
+                convs = [
+                    (inplanes if b == 0 else planes * exp, width, 1, 1),
+                    (width, width, 3, spec.groups),
+                    (width, planes * exp, 1, 1),
+                ]
+            for j, (cin, cout, k, groups) in enumerate(convs, start=1):
+                yield f"{p}.conv{j}", "conv", (cout, cin // groups, k, k)
+                yield f"{p}.bn{j}", "bn", (cout,)
+            # torchvision adds a projection when the block changes stride or width.
+            if b == 0 and (i > 0 or inplanes != planes * exp):
+                yield f"{p}.downsample.0", "conv", (planes * exp, inplanes, 1, 1)
+                yield f"{p}.downsample.1", "bn", (planes * exp,)
+        inplanes = planes * exp
+    yield "fc", "linear", (num_classes, 512 * exp)
+
+
+def table(arch: str, num_classes: int = 1000) -> list[Entry]:
+    """Every tensor of torchvision's `arch` state_dict, in its order, with its Flax location."""
+    spec = _spec(arch)
+    entries = []
+    for module, kind, shape in _modules(spec, num_classes):
+        for name, (collection, leaf, perm) in RULES[kind].items():
+            if kind == "bn":
+                tshape = () if name == "num_batches_tracked" else shape
+            elif kind == "linear" and name == "bias":
+                tshape = shape[:1]
+            else:
+                tshape = shape
+            entries.append(Entry(f"{module}.{name}", collection, (*module.split("."), leaf), tshape, perm))
+    return entries
+
+
+def _spec(arch: str) -> ResNetSpec:
+    if arch not in ARCHS:
+        raise ConversionError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    return ARCHS[arch]
+
+
+# --- architecture detection -------------------------------------------------------------------
+
+
+def detect_arch(state_dict: Mapping[str, Any]) -> str:
+    """The torchvision architecture a ResNet state_dict belongs to, from key names and shapes.
+
+    Blocks per stage come from the `layerN.M.` keys, the block type from `conv3`, and the
+    ResNeXt/wide options from the 3x3 conv's shape: its output width is
+    `width_per_group * groups` and its input channels per group `width / groups`.
+
+    Raises:
+      ConversionError: the keys are not a ResNet's, or the ResNet is not one of torchvision's
+        named architectures (the message gives what was found).
+    """
+    keys = set(state_dict)
+    if "conv1.weight" not in keys or "fc.weight" not in keys or "layer1.0.conv1.weight" not in keys:
+        sample = ", ".join(sorted(keys)[:6]) or "(none)"
+        raise ConversionError(
+            "the state_dict does not look like a torchvision ResNet: expected keys such as "
+            f"'conv1.weight', 'layer1.0.conv1.weight' and 'fc.weight', found {sample}"
+            + (" ..." if len(keys) > 6 else "")
+        )
+    found = _found_spec(state_dict)
+    for name, spec in ARCHS.items():
+        if spec == found:
+            return name
+    raise ConversionError(
+        f"the state_dict is a ResNet with block={found.block!r}, layers={list(found.layers)}, "
+        f"groups={found.groups}, width_per_group={found.width_per_group}, which is none of "
+        f"torchvision's named architectures ({', '.join(ARCHS)})"
+    )
+
+
+def _found_spec(state_dict: Mapping[str, Any]) -> ResNetSpec:
+    layers = []
+    for i in range(1, 5):
+        blocks = {k.split(".")[1] for k in state_dict if k.startswith(f"layer{i}.")}
+        layers.append(sum(1 for b in blocks if b.isdigit()))
+    block = "bottleneck" if "layer1.0.conv3.weight" in state_dict else "basic"
+    groups, width_per_group = 1, 64
+    w = state_dict.get("layer1.0.conv2.weight")
+    if block == "bottleneck" and w is not None and len(w.shape) == 4 and w.shape[1]:
+        width = int(w.shape[0])
+        groups = max(width // int(w.shape[1]), 1)
+        width_per_group = width // groups
+    return ResNetSpec(block, tuple(layers), groups, width_per_group)
+
+
+def _looks_like(state_dict: Mapping[str, Any]) -> str | None:
+    try:
+        return detect_arch(state_dict)
+    except ConversionError:
+        return None
+
+
+# --- strict merge -----------------------------------------------------------------------------
+
+
+def _check(
+    arch: str,
+    entries: list[Entry],
+    found_shapes: Mapping[str, tuple[int, ...]],
+    key_of: str,
+    looks_like: str | None,
+    what: str,
+) -> None:
+    """Raise one ConversionError listing every missing, unexpected and wrong-shape key."""
+    expected = {getattr(e, key_of): e for e in entries}
+    missing = [k for k, e in expected.items() if k not in found_shapes and e.torch_key.rsplit(".", 1)[1] not in _OPTIONAL]
+    unexpected = [k for k in found_shapes if k not in expected]
+    wrong = []
+    for k, shape in found_shapes.items():
+        e = expected.get(k)
+        if e is None:
+            continue
+        want = e.torch_shape if key_of == "torch_key" else _permuted(e.torch_shape, e.perm)
+        if tuple(shape) != tuple(want):
+            wrong.append(f"{k}: got {tuple(shape)}, expected {tuple(want)}")
+    if not (missing or unexpected or wrong):
+        return
+    parts = [f"{what} do not fit {arch}"]
+    if looks_like and looks_like != arch:
+        parts[0] += f": these weights look like {looks_like}, not {arch} (pass arch={looks_like!r} or --arch {looks_like})"
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
+        if items:
+            shown = "; ".join(items[:8]) + (f"; ... ({len(items) - 8} more)" if len(items) > 8 else "")
+            parts.append(f"{len(items)} {label}: {shown}")
+    raise ConversionError(". ".join(parts))
+
+
+def _permuted(shape: tuple[int, ...], perm: tuple[int, ...] | None) -> tuple[int, ...]:
+    return shape if perm is None else tuple(shape[p] for p in perm)
+
+
+# --- tensors <-> arrays, keeping dtypes -------------------------------------------------------
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU copy-free view of a tensor as numpy; bfloat16 becomes ml_dtypes.bfloat16 bits."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _to_torch(a: Any) -> torch.Tensor:
+    a = np.asarray(a)
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(np.array(a, copy=True, order="C"))
+
+
+# --- public API -------------------------------------------------------------------------------
+
+
+def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = None) -> dict[str, dict]:
+    """Flax variables `{"params": ..., "batch_stats": ...}` for a torchvision ResNet state_dict.
+
+    The inverse of `flax_to_torch`: conv weights OIHW -> HWIO, linear weights transposed,
+    BatchNorm weight/bias -> params scale/bias and running_mean/var/num_batches_tracked ->
+    batch_stats mean/var/num_batches_tracked. Values are copied, never rounded: dtypes are kept
+    (float16 stays float16; bfloat16 becomes `ml_dtypes.bfloat16`, which jax reads natively;
+    float64 stays float64). `num_batches_tracked` becomes int32 (jax's default integer).
+
+    Args:
+      state_dict: torch key -> tensor, without wrapper prefixes (see `load_state_dict`).
+      arch: a torchvision ResNet name; None detects it with `detect_arch`. `num_classes` is
+        always taken from `fc.weight`, so fine-tuned heads port.
+
+    Returns:
+      Nested dicts of numpy arrays whose paths mirror torch's (`params/layer1/0/conv1/kernel`).
+
+    Raises:
+      ConversionError: listing every missing, unexpected and wrong-shape key, and the
+        architecture the weights look like when it is not `arch`.
+
+    Example:
+      >>> import torchvision
+      >>> variables = torch_to_flax(torchvision.models.resnet18().state_dict())
+      >>> variables["params"]["conv1"]["kernel"].shape
+      (7, 7, 3, 64)
+    """
+    arch = detect_arch(state_dict) if arch is None else arch
+    _spec(arch)
+    fc = state_dict.get("fc.weight")
+    num_classes = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else 1000
+    entries = table(arch, num_classes)
+    _check(arch, entries, {k: tuple(v.shape) for k, v in state_dict.items()}, "torch_key",
+           _looks_like(state_dict), "the state_dict's weights")
+    out: dict[str, dict] = {"params": {}, "batch_stats": {}}
+    for e in entries:
+        t = state_dict.get(e.torch_key)
+        if t is None:  # optional counter, absent from very old checkpoints
+            a = np.zeros((), np.int32)
+        elif e.perm is not None:
+            a = np.ascontiguousarray(_to_numpy(t).transpose(e.perm))
+        else:
+            a = np.array(_to_numpy(t), copy=True)
+        if e.flax_path[-1] == "num_batches_tracked":
+            a = a.astype(np.int32)
+        node = out[e.collection]
+        for name in e.flax_path[:-1]:
+            node = node.setdefault(name, {})
+        node[e.flax_path[-1]] = a
+    return out
+
+
+def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, torch.Tensor]":
+    """A torchvision state_dict (loadable with `strict=True`) from Flax ResNet variables.
+
+    Bit-exact inverse of `torch_to_flax`: dtypes are kept and `num_batches_tracked` comes back
+    as torch's int64 (0 when the variables carry none).
+
+    Args:
+      variables: `{"params": ..., "batch_stats": ...}` of a `jaxport.models` ResNet (numpy or
+        jax arrays).
+      arch: the torchvision architecture name.
+
+    Raises:
+      ConversionError: listing every missing, unexpected and wrong-shape variable.
+    """
+    _spec(arch)
+    flat = _flatten(variables)
+    fc = flat.get("params/fc/kernel")
+    num_classes = int(np.shape(fc)[1]) if fc is not None and np.ndim(fc) == 2 else 1000
+    entries = table(arch, num_classes)
+    _check(arch, entries, {k: tuple(np.shape(v)) for k, v in flat.items()}, "flax_key", None, "the Flax variables")
+    out: OrderedDict[str, torch.Tensor] = OrderedDict()
+    for e in entries:
+        a = flat.get(e.flax_key)
+        if a is None:
+            out[e.torch_key] = torch.tensor(0, dtype=torch.int64)
+            continue
+        a = np.asarray(a)
+        if e.perm is not None:
+            a = a.transpose(np.argsort(e.perm))
+        t = _to_torch(a)
+        out[e.torch_key] = t.to(torch.int64) if e.flax_path[-1] == "num_batches_tracked" else t
+    return out
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            flat.update(_flatten(v, key + "/"))
+        else:
+            flat[key] = v
+    return flat
+
+
+def num_classes_of(state_dict: Mapping[str, Any]) -> int:
+    """The classifier size of a ResNet state_dict (rows of `fc.weight`)."""
+    if "fc.weight" not in state_dict:
+        raise ConversionError("the state_dict has no 'fc.weight', so its number of classes is unknown")
+    return int(state_dict["fc.weight"].shape[0])
