@@ -183,6 +183,7 @@ class _Stage(nn.Module):
     def __call__(self, x, train: bool):
         for i, kwargs in enumerate(self.blocks):
             x = self.block_cls(**kwargs, name=str(i))(x, train)
+        self.sow("intermediates", "out", x)
         return x
 
 
@@ -194,8 +195,8 @@ class ResNet(nn.Module):
     mutable=["batch_stats"])` equals `model.train()(x_nchw)`, including the updated running
     statistics (biased batch variance to normalise, unbiased to update `var`, momentum 0.1).
 
-    Per-stage activations (`stem`, `layer1`..`layer4`, `pooled`) are sown into the
-    `intermediates` collection when it is mutable, for layer-by-layer cross-checks.
+    Per-stage activations are sown into the `intermediates` collection when it is mutable, for
+    layer-by-layer cross-checks: `stem`, `layer1/out` .. `layer4/out`, `pooled`.
 
     Attributes:
       block: "basic" or "bottleneck".
@@ -257,7 +258,6 @@ class ResNet(nn.Module):
             inplanes = planes * block_cls.expansion
             blocks += [dict(planes=planes, dilation=dilation, **common) for _ in range(1, n)]
             x = _Stage(blocks, block_cls, name=f"layer{i + 1}")(x, train)
-            self.sow("intermediates", f"layer{i + 1}", x)
 
         x = jnp.mean(x, axis=(1, 2))
         self.sow("intermediates", "pooled", x)

@@ -1,0 +1,138 @@
+"""Flax variables on disk: one safetensors file, flat `collection/path/leaf` keys.
+
+Writing goes through `safetensors.numpy` (atomically: a temporary file renamed into place, so
+an interrupted save never leaves half a file under the requested name). Reading lets
+safetensors validate the header, then maps the tensors straight from the file (read-only
+numpy memmaps): no copy, so reading back costs a small fraction of `torch.load`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import ml_dtypes
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from ._errors import CheckpointError
+
+FORMAT = "jaxport.variables"
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def flatten(tree: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
+    """`{"params": {"fc": {"bias": a}}}` -> `{"params/fc/bias": a}`."""
+    flat: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            for kk, vv in flatten(v, sep).items():
+                flat[f"{k}{sep}{kk}"] = vv
+        else:
+            flat[str(k)] = v
+    return flat
+
+
+def unflatten(flat: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
+    """Inverse of `flatten`."""
+    tree: dict[str, Any] = {}
+    for key, v in flat.items():
+        *parents, leaf = key.split(sep)
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return tree
+
+
+def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arch: str | None = None,
+                   metadata: Mapping[str, str] | None = None) -> Path:
+    """Write Flax variables to a safetensors file, atomically.
+
+    Args:
+      path: destination file (conventionally `.safetensors`).
+      variables: nested dicts of arrays (numpy or jax), e.g. `{"params": ..., "batch_stats": ...}`.
+      arch: the architecture name, stored in the header so `jaxport export` and `verify` need
+        not be told.
+      metadata: extra string key/values for the header.
+
+    Returns:
+      The path written.
+    """
+    path = Path(path)
+    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(variables).items()}
+    meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        safetensors.numpy.save_file(flat, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The string metadata of a variables file (`arch`, `format`, ...)."""
+    return _open(Path(path))[1]
+
+
+def load_variables(path: str | os.PathLike) -> dict[str, Any]:
+    """Read variables written by `save_variables` (or any safetensors file with `/` paths).
+
+    The arrays are read-only memory maps of the file: nothing is copied until used. Copy with
+    `np.array(x)` before writing to one.
+
+    Raises:
+      CheckpointError: missing, empty, truncated or malformed file, naming it.
+
+    Example:
+      >>> variables = load_variables("resnet50.safetensors")  # doctest: +SKIP
+      >>> logits = jaxport.models.resnet50().apply(variables, images)  # doctest: +SKIP
+    """
+    path = Path(path)
+    header, _ = _open(path)
+    start = 8 + int.from_bytes(path.open("rb").read(8), "little")
+    mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
+    flat = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"variables file '{path}': tensor '{key}' has dtype {info['dtype']}, which jaxport cannot read")
+        lo, hi = info["data_offsets"]
+        flat[key] = mm[start + lo:start + hi].view(dtype).reshape(info["shape"])
+    return unflatten(flat)
+
+
+def _open(path: Path) -> tuple[dict, dict[str, str]]:
+    """Validate with safetensors; return the parsed header and its metadata."""
+    if not path.exists():
+        raise CheckpointError(f"variables file '{path}' does not exist; check the path (write one with `jaxport port`)")
+    if path.is_dir():
+        raise CheckpointError(f"variables file '{path}' is a directory; expected a .safetensors file written by `jaxport port`")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"variables file '{path}' is empty (0 bytes); re-create it with `jaxport port`")
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            metadata = dict(f.metadata() or {})
+        with path.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+    except Exception as e:  # safetensors raises its own error type for every malformation
+        raise CheckpointError(
+            f"variables file '{path}' is not a valid safetensors file ({e}); it may be truncated or "
+            "not a variables file at all: re-create it with `jaxport port`"
+        ) from e
+    return header, metadata

@@ -1,0 +1,49 @@
+"""torchvision reference models with realistic, non-default BatchNorm state.
+
+No pretrained weights can be downloaded here, and a freshly constructed torchvision model has
+running_mean=0, running_var=1, weight=1, bias=0: values under which swapping mean/var or
+scale/bias goes unnoticed. These models get random affine BatchNorm parameters and running
+statistics calibrated by a few train-mode batches, so every tensor is distinguishable.
+"""
+from __future__ import annotations
+
+import torch
+import torchvision
+
+from jaxport._errors import ConfigError
+from jaxport.models import ARCHS
+
+
+def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_size: int = 64,
+                    calibration_batches: int = 3, batch_size: int = 4, dtype: torch.dtype = torch.float32
+                    ) -> torch.nn.Module:
+    """A torchvision `arch` with seeded weights and calibrated BatchNorm, in eval mode.
+
+    Args:
+      arch: torchvision constructor name, e.g. "resnet50".
+      num_classes: classifier size.
+      seed: seeds weights, BatchNorm affine parameters and calibration inputs.
+      image_size: side of the calibration images (small keeps large models fast).
+      calibration_batches: train-mode forward passes that update the running statistics.
+      batch_size: images per calibration batch.
+      dtype: dtype of the returned model's parameters and buffers.
+    """
+    if arch not in ARCHS:
+        raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    gen = torch.Generator().manual_seed(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = getattr(torchvision.models, arch)(num_classes=num_classes)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
+                m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
+        model.train()
+        # Inputs with per-channel offsets and scales, like normalised images that are not
+        # exactly zero-mean, so the statistics are far from 0/1.
+        shift = torch.randn(1, 3, 1, 1, generator=gen) * 0.5
+        scale = torch.rand(1, 3, 1, 1, generator=gen) + 0.5
+        for _ in range(calibration_batches):
+            model(torch.randn(batch_size, 3, image_size, image_size, generator=gen) * scale + shift)
+    return model.eval().to(dtype)
