@@ -1,0 +1,249 @@
+"""The `jaxport` command line. Thin: it parses, calls library functions, prints.
+
+torch is imported only inside the commands that need it (port, verify, export, env), through
+`torch_compat`, so `jaxport train` and the JAX side stay free of it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator, Sequence
+
+from ._errors import ConfigError, JaxportError
+
+EXIT_ERROR, EXIT_MISMATCH = 2, 1
+
+
+@contextlib.contextmanager
+def _steps(total: int, desc: str) -> Iterator:
+    """A progress bar over named steps (on stderr; silent when stderr is not a terminal)."""
+    from tqdm.auto import tqdm
+
+    with tqdm(total=total, desc=desc, unit="step", file=sys.stderr, disable=None, leave=False) as bar:
+        def step(name: str):
+            bar.set_postfix_str(name)
+            bar.update(1)
+
+        yield step
+
+
+def _human(n_bytes: float) -> str:
+    return f"{n_bytes / 1e6:.1f} MB"
+
+
+def _load_checkpoint(path: str, trusted: bool, ema: bool):
+    from torch_compat import load_state_dict
+
+    return load_state_dict(path, trusted=trusted, ema=ema)
+
+
+def _print_reports(reports) -> bool:
+    for r in reports:
+        print(r.table())
+    return all(r.ok for r in reports)
+
+
+def _cmd_port(args) -> int:
+    import torch_compat
+    from torch_compat import _default
+
+    from ._io import save_variables
+
+    with _steps(5 if args.verify else 4, "port") as step:
+        if args.checkpoint is None:
+            step("building the embedded default checkpoint")
+            ckpt = _default.default_checkpoint()
+            print(f"checkpoint: {ckpt} ({_default.DESCRIPTION})")
+        else:
+            step("checking the checkpoint")
+            ckpt = Path(args.checkpoint)
+            print(f"checkpoint: {ckpt}")
+        t0 = time.perf_counter()
+        step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
+        state_dict = _load_checkpoint(str(ckpt), args.trusted, args.ema)
+        step("converting")
+        arch = None if args.arch == "auto" else args.arch
+        detected = torch_compat.detect_arch(state_dict) if arch is None else arch
+        variables = torch_compat.torch_to_flax(state_dict, detected)
+        t1 = time.perf_counter()
+        dtypes = sorted({str(v.dtype) for v in state_dict.values() if v.is_floating_point()})
+        n_params = sum(int(v.numel()) for k, v in state_dict.items() if k.endswith(("weight", "bias")))
+        print(f"architecture: {detected} ({'detected' if arch is None else 'given'}), "
+              f"{torch_compat.num_classes_of(state_dict)} classes, {len(state_dict)} tensors, "
+              f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
+        out = Path(args.out) if args.out else Path(ckpt.name.split(".")[0] + ".safetensors")
+        step("saving")
+        save_variables(out, variables, arch=detected, metadata={"source": ckpt.name})
+        print(f"wrote: {out} ({_human(out.stat().st_size)}; loaded + converted in {t1 - t0:.2f} s)")
+        ok = True
+        if args.verify:
+            step("cross-checking against torchvision")
+            ok = _print_reports(torch_compat.cross_check(state_dict, variables, arch=detected))
+    print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
+          if args.verify else f"next: jaxport verify {ckpt} {out}")
+    return 0 if ok else EXIT_MISMATCH
+
+
+def _cmd_verify(args) -> int:
+    import torch_compat
+
+    from ._io import load_variables, read_metadata
+
+    state_dict = _load_checkpoint(args.checkpoint, args.trusted, args.ema)
+    variables, arch = None, None if args.arch == "auto" else args.arch
+    if args.variables:
+        variables = load_variables(args.variables)
+        arch = arch or read_metadata(args.variables).get("arch")
+    modes = ("eval", "train") if args.mode == "both" else (args.mode,)
+    with _steps(1, "verify") as step:
+        step("running torchvision and the Flax port")
+        reports = torch_compat.cross_check(state_dict, variables, arch=arch, modes=modes,
+                                           batch_size=args.batch_size, image_size=args.image_size,
+                                           rtol=args.rtol, train_rtol=args.train_rtol)
+    ok = _print_reports(reports)
+    print("verify: PASS" if ok else "verify: FAIL: beyond tolerance")
+    return 0 if ok else EXIT_MISMATCH
+
+
+def _cmd_export(args) -> int:
+    import torch
+    import torch_compat
+
+    from ._io import load_variables, read_metadata
+
+    src = Path(args.variables)
+    if src.is_dir():
+        from .train import load_workdir
+
+        variables, arch = load_workdir(src)
+        arch = args.arch or arch
+    else:
+        variables = load_variables(src)
+        arch = args.arch or read_metadata(src).get("arch")
+    if not arch:
+        raise ConfigError(f"'{src}' does not record its architecture; pass --arch (e.g. --arch resnet50)")
+    state_dict = torch_compat.flax_to_torch(variables, arch)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        torch.save(state_dict, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote: {out} ({_human(out.stat().st_size)}), a torchvision {arch} state_dict "
+          f"(torchvision.models.{arch}(num_classes={torch_compat.num_classes_of(state_dict)})"
+          ".load_state_dict(torch.load(path), strict=True))")
+    return 0
+
+
+def _cmd_env(args) -> int:
+    from ._env import report
+
+    rows, problems = report()
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    for p in problems:
+        print(f"warning: {p}")
+    if not problems:
+        print("no known-bad combinations found")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .models import ARCHS
+
+    parser = argparse.ArgumentParser(
+        prog="jaxport", description="Port torchvision ResNet checkpoints to JAX/Flax and back, verified.")
+    parser.add_argument("--version", action="version", version=f"jaxport {__import__('jaxport').__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    archs = ["auto", *ARCHS]
+
+    def loading(p):
+        p.add_argument("--trusted", action="store_true",
+                       help="allow a full unpickle (runs code from the file): only for files you trust")
+        p.add_argument("--ema", action="store_true", help="take the EMA copy of the weights stored beside the model")
+        p.add_argument("--arch", default="auto", choices=archs, metavar="ARCH",
+                       help=f"architecture (default: detected from the weights); one of {', '.join(archs)}")
+
+    p = sub.add_parser("port", help="convert a torch checkpoint to Flax variables (safetensors)",
+                       description="Convert a torch checkpoint to Flax variables. With no CHECKPOINT, ports an "
+                                   "embedded default ResNet-50 saved like a GPU DataParallel run.")
+    p.add_argument("checkpoint", nargs="?", help="a .pt/.pth/.bin/.safetensors file (default: embedded ResNet-50)")
+    p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory)")
+    p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
+    loading(p)
+    p.set_defaults(func=_cmd_port)
+
+    p = sub.add_parser("verify", help="cross-check a checkpoint (and optionally its port) against torchvision")
+    p.add_argument("checkpoint")
+    p.add_argument("variables", nargs="?", help="ported variables to check (default: convert the checkpoint afresh)")
+    p.add_argument("--mode", choices=("eval", "train", "both"), default="both")
+    p.add_argument("--batch-size", type=_positive_int, default=2)
+    p.add_argument("--image-size", type=_positive_int, default=64)
+    p.add_argument("--rtol", type=float, default=1e-4, help="eval tolerance relative to each stage's scale")
+    p.add_argument("--train-rtol", type=float, default=1e-3, help="train-mode tolerance (see cross_check)")
+    loading(p)
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("export", help="write Flax variables (or a training workdir) as a torch state_dict")
+    p.add_argument("variables", help="a variables .safetensors file or a `jaxport train` workdir")
+    p.add_argument("--arch", choices=list(ARCHS), metavar="ARCH", help="architecture (default: recorded in the file)")
+    p.add_argument("--out", required=True, help="output .pt file")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("env", help="versions, devices and known-bad combinations")
+    p.set_defaults(func=_cmd_env)
+
+    try:
+        from .train._cli import add_parser as add_train_parser
+    except ImportError:
+        pass
+    else:
+        add_train_parser(sub)
+    return parser
+
+
+def _one_line_warnings(message, category, filename, lineno, file=None, line=None):
+    print(f"jaxport: warning: {message}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    warnings.showwarning = _one_line_warnings
+    try:
+        return int(args.func(args) or 0)
+    except JaxportError as e:
+        print(f"jaxport: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("jaxport: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug or an environment problem: still no traceback for the user
+        if os.environ.get("JAXPORT_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        print(f"jaxport: internal error ({type(e).__name__}: {first}); rerun with JAXPORT_DEBUG=1 "
+              "for the traceback and report it", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""The embedded default checkpoint that `jaxport port` ports when given none.
+
+No weights can be downloaded on a fresh offline machine, so the default is built locally and
+deterministically: torchvision's ResNet-50 from a fixed seed with calibrated BatchNorm state
+(`reference_model`), saved exactly as a GPU DataParallel run of PyTorch's ImageNet example
+saves it: a training-script dict (`epoch`, `arch`, `state_dict`, `best_acc1`, `optimizer`)
+whose state_dict keys carry `module.` and whose storages are tagged `cuda:0`.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ._cuda_tag import saving_as_cuda
+from ._reference import reference_model
+
+ARCH = "resnet50"
+SEED = 0
+FILENAME = "resnet50_dataparallel_cuda.pth.tar"
+DESCRIPTION = (
+    "embedded default: torchvision resnet50, seed 0, calibrated BatchNorm, saved like a GPU "
+    "DataParallel training run (cuda:0 storages, 'module.' keys, training-script dict)"
+)
+
+
+def cache_dir() -> Path:
+    """`$JAXPORT_CACHE`, else `$XDG_CACHE_HOME/jaxport`, else `~/.cache/jaxport`."""
+    if os.environ.get("JAXPORT_CACHE"):
+        return Path(os.environ["JAXPORT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxport"
+
+
+def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool = False) -> Path:
+    """Path of the default checkpoint, building it first if it is not there (about 2 s).
+
+    Args:
+      path: where to keep it; default `cache_dir() / FILENAME`.
+      rebuild: build it again even if the file exists.
+    """
+    path = Path(path) if path is not None else cache_dir() / FILENAME
+    if path.exists() and not rebuild:
+        return path
+    model = reference_model(ARCH, seed=SEED)
+    wrapped = torch.nn.DataParallel(model)  # on a CPU-only machine it only adds `module.`
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    checkpoint = {
+        "epoch": 90,
+        "arch": ARCH,
+        "state_dict": wrapped.state_dict(),
+        "best_acc1": torch.tensor(76.13),
+        "optimizer": optimizer.state_dict(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        with saving_as_cuda("cuda:0"):
+            torch.save(checkpoint, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
