@@ -141,6 +141,7 @@ _NOT_CHECKPOINT_MAGIC = (
     (b"\x89PNG\r\n\x1a\n", "a PNG image"),
     (b"\xff\xd8\xff", "a JPEG image"),
     (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras/TensorFlow weights?)"),
+    (b"PK\x05\x06", "an empty zip archive"),
     (b"\x1f\x8b", "a gzip archive (extract it first)"),
     (b"\x93NUMPY", "a NumPy .npy array"),
     (b"version https://git-lfs", "a Git LFS pointer, not the weights (run `git lfs pull`)"),
@@ -168,7 +169,7 @@ def _sniff(shown: str) -> str:
         raise CheckpointError(
             f"checkpoint '{shown}' is empty (0 bytes); re-download or re-save it"
         )
-    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+    if head.startswith(b"PK\x03\x04"):  # the test torch.load itself uses
         return "zip"
     if len(head) >= 2 and head[0] == pickle.PROTO[0] and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL:
         return "pickle"
@@ -210,6 +211,7 @@ def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
         with warnings.catch_warnings():
             # torch warns before refusing a TorchScript archive; the error below says it all.
             warnings.filterwarnings("ignore", message=".*TorchScript archive", category=UserWarning)
+            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
             if trusted:
                 obj = torch.load(shown, map_location="cpu", weights_only=False, mmap=mmap)
             else:
@@ -236,12 +238,13 @@ def _refusal_message(shown: str, torch_message: str) -> str:
     if found is not None:
         what = f"imports `{_py3_name(found.group(1))}`, which is outside the weights-only allowed set"
     elif (op := re.search(r"Unsupported operand (\d+)", inner)) is not None:
-        code = int(op.group(1))
-        opname = pickletools.code2op.get(chr(code))
-        what = (
-            f"uses pickle opcode {opname.name if opname else code} (protocol >= 4, e.g. "
-            "torch.save(pickle_protocol=4)), which the weights-only loader cannot check"
+        opcode = pickletools.code2op.get(chr(int(op.group(1))))
+        name = opcode.name if opcode else op.group(1)
+        cause = (
+            "pickle protocol 4+, e.g. torch.save(pickle_protocol=4)" if name == "FRAME"
+            else "the file may be corrupt or use pickle protocol 4+"
         )
+        what = f"uses pickle opcode {name} ({cause}), which the weights-only loader cannot check"
     else:
         what = f"cannot be read in weights-only mode ({inner or 'unpickling failed'})"
     return (
@@ -359,7 +362,7 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
     """Returns (description of where the weights were found, the mapping itself)."""
     if not isinstance(obj, Mapping):
         raise CheckpointError(
-            f"checkpoint '{shown}' holds a {type(obj).__name__} at the top level, expected a "
+            f"checkpoint '{shown}' holds {_a(type(obj).__name__)} at the top level, expected a "
             f"dict: a state dict or a training checkpoint with one of the keys "
             f"{list(STATE_DICT_KEYS + EMA_KEYS)}; save model.state_dict() instead"
         )
@@ -405,6 +408,10 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
     )
 
 
+def _a(noun: str) -> str:
+    return f"{'an' if noun[:1].lower() in 'aeiou' else 'a'} {noun}"
+
+
 def _short_list(keys: list, limit: int = 12) -> str:
     shown = [str(k) for k in keys[:limit]]
     more = f" ... and {len(keys) - limit} more" if len(keys) > limit else ""
@@ -414,14 +421,15 @@ def _short_list(keys: list, limit: int = 12) -> str:
 def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tensor]:
     if not sd:
         raise CheckpointError(
-            f"checkpoint '{shown}': {where} is empty; expected a state dict of tensors"
+            f"checkpoint '{shown}': {where} is empty; expected a state dict of tensors; re-save "
+            "it with torch.save(model.state_dict(), path)"
         )
     out = {}
     for key, value in sd.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
             problem = (
                 f"has a {type(key).__name__} key {key!r}" if not isinstance(key, str)
-                else f"maps {key!r} to a {type(value).__name__}, not a tensor"
+                else f"maps {key!r} to {_a(type(value).__name__)}, not a tensor"
             )
             raise CheckpointError(
                 f"checkpoint '{shown}': {where} {problem}; a state dict maps parameter names "
