@@ -1,0 +1,430 @@
+"""torch_compat._load / _cuda_tag: every format x wrapper x dtype loads to the original tensors;
+hostile, broken and unrecognisable files give one CheckpointError and never run code.
+
+Equality is exact (`torch.equal`, dtype and key order checked): loading must not change a bit.
+"""
+import argparse
+import os
+import pickle
+import struct
+import warnings
+import zipfile
+
+import pytest
+import safetensors.torch
+import torch
+import torchvision
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from jaxport._errors import CheckpointError, ConfigError
+from torch_compat._cuda_tag import saving_as_cuda
+from torch_compat._load import load_state_dict, weights_only_is_safe
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def tiny_net(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4, 2)
+    )
+    net[1].running_mean.uniform_()  # buffers that differ from their defaults
+    return net.to(dtype)
+
+
+def save(obj, path, fmt):
+    if fmt == "zip":
+        torch.save(obj, path)
+    elif fmt == "legacy":
+        torch.save(obj, path, _use_new_zipfile_serialization=False)
+    else:
+        safetensors.torch.save_file(obj, path)
+    return path
+
+
+def assert_same(loaded, expected):
+    assert type(loaded) is dict
+    assert list(loaded) == list(expected)
+    for key, want in expected.items():
+        got = loaded[key]
+        assert type(got) is torch.Tensor and got.device.type == "cpu", key
+        assert got.dtype == want.dtype, key
+        assert torch.equal(got, want), key
+
+
+def one_line_error(excinfo, path):
+    message = str(excinfo.value)
+    assert "\n" not in message and "Traceback" not in message
+    assert os.fspath(path) in message
+    return message
+
+
+# --- formats x wrappers x dtypes --------------------------------------------------------------
+
+def _prefixed(sd, prefix):
+    return {prefix + k: v for k, v in sd.items()}
+
+
+def _lightning(sd):
+    return {
+        "epoch": 3, "global_step": 120, "pytorch-lightning_version": "2.4.0",
+        "state_dict": _prefixed(sd, "model."), "loops": {"fit_loop": {"epoch_progress": {}}},
+        "callbacks": {}, "optimizer_states": [], "lr_schedulers": [],
+        "hyper_parameters": {"lr": 0.1},
+    }
+
+
+def _torchvision_reference(sd, with_ema=False):
+    """What torchvision's references/classification/train.py writes (args: argparse.Namespace)."""
+    net = tiny_net(next(iter(sd.values())).dtype)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(2, 3, 3, 3).to(dtype=next(iter(sd.values())).dtype)).float().sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=30)
+    checkpoint = {
+        "model": sd, "optimizer": optimizer.state_dict(), "lr_scheduler": scheduler.state_dict(),
+        "epoch": 7,
+        "args": argparse.Namespace(model="resnet50", lr=0.5, epochs=600, model_ema=with_ema,
+                                   weight_decay=2e-5, data_path="/data", amp=True, resume=""),
+    }
+    return checkpoint
+
+
+# name -> (wrap the state dict into a checkpoint, formats it can be saved in)
+WRAPPERS = {
+    "plain": (lambda sd: sd, ("zip", "legacy", "safetensors")),
+    "module": (lambda sd: _prefixed(sd, "module."), ("zip", "legacy", "safetensors")),
+    "orig_mod": (lambda sd: _prefixed(sd, "_orig_mod."), ("zip", "legacy", "safetensors")),
+    "module_orig_mod": (lambda sd: _prefixed(sd, "module._orig_mod."), ("zip", "legacy", "safetensors")),
+    "orig_mod_module": (lambda sd: _prefixed(sd, "_orig_mod.module."), ("zip", "legacy", "safetensors")),
+    "lightning_keys": (lambda sd: _prefixed(sd, "model."), ("safetensors",)),
+    "lightning": (_lightning, ("zip", "legacy")),
+    "lightning_compiled": (lambda sd: {"state_dict": _prefixed(sd, "model._orig_mod.")}, ("zip",)),
+    "torchvision_reference": (_torchvision_reference, ("zip", "legacy")),
+    "model_state_dict": (lambda sd: {"model_state_dict": sd, "epoch": 2, "loss": 0.3}, ("zip", "legacy")),
+    "ddp_in_reference": (lambda sd: {"model": _prefixed(sd, "module."), "epoch": 1}, ("zip",)),
+}
+CASES = [
+    pytest.param(fmt, wrapper, dtype, id=f"{fmt}-{wrapper}-{str(dtype)[6:]}")
+    for wrapper, (_, fmts) in WRAPPERS.items() for fmt in fmts for dtype in DTYPES
+]
+
+
+@pytest.mark.parametrize("fmt,wrapper,dtype", CASES)
+def test_formats_wrappers_dtypes(tmp_path, fmt, wrapper, dtype):
+    sd = tiny_net(dtype).state_dict()  # an OrderedDict carrying torch's `_metadata`
+    assert hasattr(sd, "_metadata")
+    obj = WRAPPERS[wrapper][0](sd if fmt != "safetensors" else dict(sd))
+    path = save(obj, tmp_path / "ckpt.bin", fmt)  # extension says nothing: magic bytes decide
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warnings on a current torch
+        loaded = load_state_dict(path)
+    if fmt == "safetensors":  # data order: safetensors sorts tensors on save
+        assert sorted(loaded) == sorted(sd)
+        loaded = {k: loaded[k] for k in sd}
+    assert_same(loaded, sd)
+
+
+def test_argparse_namespace_is_allowed_only_during_the_load(tmp_path):
+    sd = tiny_net().state_dict()
+    path = save(_torchvision_reference(sd), tmp_path / "checkpoint.pth", "zip")
+    assert_same(load_state_dict(path), sd)
+    assert argparse.Namespace not in torch.serialization.get_safe_globals()
+    with pytest.raises(pickle.UnpicklingError, match="argparse.Namespace"):
+        torch.load(path, weights_only=True)  # not allow-listed globally
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+@pytest.mark.parametrize("ema_key", ["model_ema", "ema", "state_dict_ema", "model_ema_state_dict"])
+def test_ema_is_taken_only_when_asked(tmp_path, fmt, ema_key):
+    net = tiny_net()
+    ema_model = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema_model.update_parameters(tiny_net(seed=1))  # EMA weights now differ from the model's
+    ema_sd = ema_model.state_dict()
+    assert list(ema_sd)[0] == "n_averaged" and all(k.startswith("module.") for k in list(ema_sd)[1:])
+    checkpoint = _torchvision_reference(net.state_dict(), with_ema=True)
+    checkpoint[ema_key] = ema_sd
+    path = save(checkpoint, tmp_path / "ema.pth", fmt)
+
+    assert_same(load_state_dict(path), net.state_dict())
+    assert_same(load_state_dict(path, ema=True), ema_model.module.state_dict())
+    assert not torch.equal(ema_model.module[0].weight, net[0].weight)
+
+
+def test_bare_averaged_model_state_dict(tmp_path):
+    ema_model = AveragedModel(tiny_net())
+    path = save(ema_model.state_dict(), tmp_path / "ema_only.pt", "zip")
+    assert_same(load_state_dict(path), ema_model.module.state_dict())
+
+
+def test_ema_missing_is_an_error_listing_keys(tmp_path):
+    path = save({"model": tiny_net().state_dict(), "epoch": 3}, tmp_path / "no_ema.pt", "zip")
+    with pytest.raises(CheckpointError) as excinfo:
+        load_state_dict(path, ema=True)
+    message = one_line_error(excinfo, path)
+    assert "['model', 'epoch']" in message and "model_ema" in message
+
+    flat = save(dict(tiny_net().state_dict()), tmp_path / "flat.safetensors", "safetensors")
+    with pytest.raises(CheckpointError, match="no EMA weights: found a plain state dict"):
+        load_state_dict(flat, ema=True)
+
+
+def test_ema_only_checkpoint_needs_ema_flag(tmp_path):
+    path = save({"model_ema": tiny_net().state_dict(), "epoch": 3}, tmp_path / "e.pt", "zip")
+    with pytest.raises(CheckpointError, match="pass ema=True"):
+        load_state_dict(path)
+
+
+def test_prefix_stripped_only_when_every_key_has_it(tmp_path):
+    sd = {"module.conv.weight": torch.ones(2), "head.weight": torch.zeros(2),
+          "_orig_mod.x": torch.ones(1)}
+    assert_same(load_state_dict(save(sd, tmp_path / "mixed.pt", "zip")), sd)
+    nested = {"module.model.conv.weight": torch.ones(2), "module.model.fc.bias": torch.zeros(2)}
+    loaded = load_state_dict(save(nested, tmp_path / "nested.pt", "zip"))
+    assert list(loaded) == ["conv.weight", "fc.bias"]
+
+
+def test_resnet18_state_dict_and_mmap(tmp_path):
+    sd = torchvision.models.resnet18().state_dict()
+    path = save(sd, tmp_path / "resnet18.pth", "zip")
+    assert_same(load_state_dict(path), sd)
+    assert_same(load_state_dict(path, mmap=True), sd)
+    legacy = save(sd, tmp_path / "resnet18_legacy.pth", "legacy")
+    assert_same(load_state_dict(legacy, mmap=True), sd)  # mmap is ignored for legacy files
+
+
+# --- trusted loads and hostile pickles -------------------------------------------------------
+
+class Payload:
+    """Unpickling this runs `os.system`: creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.marker}'",)
+
+
+class EvalPayload(Payload):
+    def __reduce__(self):
+        return eval, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+@pytest.mark.parametrize(
+    "fmt,payload,named",
+    [
+        ("zip", Payload, "posix.system (os.system)"),
+        ("legacy", Payload, "posix.system (os.system)"),
+        ("zip", EvalPayload, "builtins.eval"),
+        ("protocol4", Payload, "FRAME"),
+        ("plain_pickle", Payload, "posix.system"),
+    ],
+)
+def test_hostile_pickle_is_refused_and_never_runs(tmp_path, fmt, payload, named):
+    marker = tmp_path / "payload_ran"
+    sd = tiny_net().state_dict()
+    checkpoint = {"model": sd, "extra": payload(marker)}
+    path = tmp_path / "hostile.pth"
+    if fmt == "protocol4":
+        torch.save(checkpoint, path, pickle_protocol=4)
+    elif fmt == "plain_pickle":
+        path.write_bytes(pickle.dumps(payload(marker), protocol=2))
+    else:
+        save(checkpoint, path, fmt)
+
+    with pytest.raises(CheckpointError) as excinfo:
+        load_state_dict(path)
+    message = one_line_error(excinfo, path)
+    assert named in message
+    assert "nothing from the file was run" in message and "trusted=True" in message
+    assert excinfo.value.__cause__ is not None
+    assert not marker.exists()
+
+    if fmt != "plain_pickle":  # on purpose, in tmp_path: trusted=True really unpickles
+        assert_same(load_state_dict(path, trusted=True), sd)
+        assert marker.exists()
+
+
+def test_trusted_whole_module(tmp_path):
+    net = tiny_net(torch.bfloat16)
+    path = tmp_path / "whole_model.pt"
+    torch.save(net, path)
+    with pytest.raises(CheckpointError, match="torch.nn.modules.container.Sequential"):
+        load_state_dict(path)
+    assert_same(load_state_dict(path, trusted=True), net.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated
+        assert_same(load_state_dict(_torchscript(tmp_path / "ts.pt"), trusted=True),
+                    tiny_net().state_dict())
+    torch.save({"model": nn.DataParallel(net), "epoch": 1}, path)  # a module inside a dict
+    assert_same(load_state_dict(path, trusted=True), net.state_dict())
+
+
+def test_parameters_become_plain_tensors(tmp_path):
+    w = nn.Parameter(torch.randn(3))
+    loaded = load_state_dict(save({"w": w}, tmp_path / "p.pt", "zip"))
+    assert type(loaded["w"]) is torch.Tensor and not loaded["w"].requires_grad
+    assert torch.equal(loaded["w"], w.detach())
+
+
+# --- torch version policy ------------------------------------------------------------------
+
+def test_weights_only_is_safe_on_installed_torch():
+    safe, message = weights_only_is_safe()
+    assert safe and torch.__version__ in message
+
+
+def test_old_torch_refuses_untrusted_pickles(tmp_path, monkeypatch):
+    sd = tiny_net().state_dict()
+    pt = save(sd, tmp_path / "a.pt", "zip")
+    st = save(dict(sd), tmp_path / "a.safetensors", "safetensors")
+    monkeypatch.setattr(torch, "__version__", "2.5.1+cpu")
+    safe, message = weights_only_is_safe()
+    assert not safe and "2.5.1" in message and "2.10" in message
+    with pytest.raises(CheckpointError, match=r"refusing to load checkpoint .*2\.5\.1"):
+        load_state_dict(pt)
+    assert_same(load_state_dict(pt, trusted=True), sd)
+    loaded = load_state_dict(st)  # no pickle involved
+    assert_same({k: loaded[k] for k in sd}, sd)
+
+
+def test_torch_2_6_to_2_9_warns(tmp_path, monkeypatch):
+    sd = tiny_net().state_dict()
+    pt = save(sd, tmp_path / "a.pt", "zip")
+    monkeypatch.setattr(torch, "__version__", "2.8.0")
+    assert weights_only_is_safe()[0] is False
+    with pytest.warns(UserWarning, match=r"torch 2\.8\.0 .*torch>=2\.10"):
+        assert_same(load_state_dict(pt), sd)
+
+
+# --- broken and unrecognisable files -------------------------------------------------------
+
+def _write(path, data):
+    path.write_bytes(data)
+    return path
+
+
+def _safetensors_bytes(header, data=b""):
+    raw = header if isinstance(header, bytes) else str(header).replace("'", '"').encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def _zip_with_text(path):
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("readme.txt", "not weights")
+    return path
+
+
+def _torchscript(path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated, files exist
+        torch.jit.save(torch.jit.script(tiny_net()), path)
+    return path
+
+
+def _truncated(tmp_path, fmt):
+    sd = torchvision.models.resnet18().state_dict() if fmt == "zip" else tiny_net().state_dict()
+    full = save(dict(sd), tmp_path / f"full.{fmt}", fmt).read_bytes()
+    return _write(tmp_path / "half.pt", full[: len(full) // 2])
+
+
+BROKEN = {
+    "missing": (lambda d: d / "nope.pt", "does not exist"),
+    "directory": (lambda d: (d / "run1").mkdir() or (d / "run1" / "last.ckpt").touch() or d / "run1",
+                  r"is a directory \(it contains last.ckpt\)"),
+    "empty": (lambda d: _write(d / "empty.pt", b""), r"is empty \(0 bytes\)"),
+    "text": (lambda d: _write(d / "notes.pt", b"epoch 3 loss 0.12\n"), "a text file"),
+    "png": (lambda d: _write(d / "img.pth", b"\x89PNG\r\n\x1a\n" + bytes(64)), "a PNG image"),
+    "html": (lambda d: _write(d / "dl.pth", b"<!DOCTYPE html><html>Not Found"), "HTML page"),
+    "lfs_pointer": (lambda d: _write(d / "w.pth", b"version https://git-lfs.github.com/spec/v1\n"),
+                    "git lfs pull"),
+    "truncated_zip": (lambda d: _truncated(d, "zip"),
+                      "truncated or corrupt: the zip archive has no central directory"),
+    "truncated_legacy": (lambda d: _truncated(d, "legacy"), "truncated or corrupt"),
+    "truncated_safetensors": (lambda d: _truncated(d, "safetensors"), "truncated or corrupt"),
+    "empty_zip": (lambda d: zipfile.ZipFile(d / "x.zip", "w").close() or d / "x.zip",
+                  "not a PyTorch or safetensors checkpoint: it looks like an empty zip archive"),
+    "non_torch_zip": (lambda d: _zip_with_text(d / "x.pt"), "zip archive but not a torch.save checkpoint"),
+    "plain_pickle": (lambda d: _write(d / "p.pkl", pickle.dumps({"a": 1}, protocol=2)),
+                     "not a torch.save checkpoint"),
+    "safetensors_header_lies": (
+        lambda d: _write(d / "lie.safetensors",
+                         struct.pack("<Q", 10**6) + b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' + bytes(4)),
+        "header claims 1000000 bytes but only 58 bytes follow"),
+    "safetensors_bad_json": (lambda d: _write(d / "j.safetensors", _safetensors_bytes(b"{not json}")),
+                             "not valid JSON"),
+    "safetensors_offsets_past_end": (
+        lambda d: _write(d / "o.safetensors",
+                         _safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
+                                            bytes(8))),
+        r"tensor 'w' claims bytes 0\.\.16 but the data section has 8 bytes"),
+    "safetensors_bad_dtype": (
+        lambda d: _write(d / "t.safetensors",
+                         _safetensors_bytes({"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}},
+                                            bytes(4))),
+        "truncated or corrupt"),
+    "top_level_list": (lambda d: save([torch.ones(1)], d / "list.pt", "zip"),
+                       "holds a list at the top level"),
+    "top_level_tensor": (lambda d: save(torch.ones(1), d / "t.pt", "zip"),
+                         "holds a Tensor at the top level"),
+    "no_state_dict": (lambda d: save({"epoch": 3, "optimizer": {"state": {}}}, d / "o.pt", "zip"),
+                      r"found top-level keys \['epoch', 'optimizer'\], looked for .*'model_state_dict'"),
+    "non_tensor_value": (lambda d: save({"conv.weight": torch.ones(1), "epoch": 3}, d / "v.pt", "zip"),
+                         "maps 'epoch' to an int, not a tensor"),
+    "non_tensor_in_model": (lambda d: save({"model": {"w": torch.ones(1), "arch": "r50"}}, d / "m.pt", "zip"),
+                            r"checkpoint\['model'\] maps 'arch' to a str"),
+    "empty_state_dict": (lambda d: save({"state_dict": {}}, d / "e.pt", "zip"), "is empty"),
+    "ambiguous": (lambda d: save({"state_dict": {"a": torch.ones(1)}, "model": {"b": torch.ones(1)}},
+                                 d / "a.pt", "zip"), "ambiguous"),
+    "torchscript": (lambda d: _torchscript(d / "ts.pt"), "TorchScript archive"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_broken_files_give_one_clear_error(tmp_path, case):
+    make, expected = BROKEN[case]
+    path = make(tmp_path)
+    with pytest.raises(CheckpointError, match=expected) as excinfo:
+        load_state_dict(path)
+    print(one_line_error(excinfo, path))
+
+
+# --- checkpoints saved "from the GPU" ------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_saving_as_cuda_tags_and_loads_on_cpu(tmp_path, fmt):
+    sd = {"module." + k: v for k, v in tiny_net(torch.bfloat16).state_dict().items()}
+    path = tmp_path / "gpu.pth"
+    with saving_as_cuda():
+        save(sd, path, fmt)
+    if fmt == "zip":
+        with zipfile.ZipFile(path) as z:
+            pickled = z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
+    else:
+        pickled = path.read_bytes()
+    assert b"cuda:0" in pickled and b"cpu" not in pickled
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(path, weights_only=True)  # what a naive load does on a CPU-only machine
+    expected = {k[len("module."):]: v for k, v in sd.items()}
+    assert_same(load_state_dict(path), expected)
+    assert_same(load_state_dict(path, mmap=True), expected)
+
+    save(sd, path, fmt)  # outside the context: ordinary CPU tags again
+    data = zipfile.ZipFile(path).read("gpu/data.pkl") if fmt == "zip" else path.read_bytes()
+    assert b"cuda" not in data and b"cpu" in data
+
+
+def test_saving_as_cuda_nests_registers_once_and_validates():
+    registry = torch.serialization._package_registry
+    with saving_as_cuda("cuda:1"):
+        with saving_as_cuda("cuda:0"):
+            pass
+    with saving_as_cuda():
+        pass
+    assert sum(getattr(tagger, "__module__", "") == "torch_compat._cuda_tag"
+               for _, tagger, _ in registry) == 1
+    with pytest.raises(ConfigError, match="'cpu'"):
+        with saving_as_cuda("cpu"):
+            pass
