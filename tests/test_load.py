@@ -4,6 +4,7 @@ hostile, broken and unrecognisable files give one CheckpointError and never run 
 Equality is exact (`torch.equal`, dtype and key order checked): loading must not change a bit.
 """
 import argparse
+import json
 import os
 import pickle
 import struct
@@ -91,18 +92,21 @@ def _torchvision_reference(sd, with_ema=False):
     return checkpoint
 
 
+ALL_FORMATS = ("zip", "legacy", "safetensors")
 # name -> (wrap the state dict into a checkpoint, formats it can be saved in)
 WRAPPERS = {
-    "plain": (lambda sd: sd, ("zip", "legacy", "safetensors")),
-    "module": (lambda sd: _prefixed(sd, "module."), ("zip", "legacy", "safetensors")),
-    "orig_mod": (lambda sd: _prefixed(sd, "_orig_mod."), ("zip", "legacy", "safetensors")),
-    "module_orig_mod": (lambda sd: _prefixed(sd, "module._orig_mod."), ("zip", "legacy", "safetensors")),
-    "orig_mod_module": (lambda sd: _prefixed(sd, "_orig_mod.module."), ("zip", "legacy", "safetensors")),
+    "plain": (lambda sd: sd, ALL_FORMATS),
+    "module": (lambda sd: _prefixed(sd, "module."), ALL_FORMATS),
+    "orig_mod": (lambda sd: _prefixed(sd, "_orig_mod."), ALL_FORMATS),
+    "module_orig_mod": (lambda sd: _prefixed(sd, "module._orig_mod."), ALL_FORMATS),
+    "orig_mod_module": (lambda sd: _prefixed(sd, "_orig_mod.module."), ALL_FORMATS),
     "lightning_keys": (lambda sd: _prefixed(sd, "model."), ("safetensors",)),
     "lightning": (_lightning, ("zip", "legacy")),
     "lightning_compiled": (lambda sd: {"state_dict": _prefixed(sd, "model._orig_mod.")}, ("zip",)),
     "torchvision_reference": (_torchvision_reference, ("zip", "legacy")),
-    "model_state_dict": (lambda sd: {"model_state_dict": sd, "epoch": 2, "loss": 0.3}, ("zip", "legacy")),
+    "model_state_dict": (
+        lambda sd: {"model_state_dict": sd, "epoch": 2, "loss": 0.3}, ("zip", "legacy")
+    ),
     "ddp_in_reference": (lambda sd: {"model": _prefixed(sd, "module."), "epoch": 1}, ("zip",)),
 }
 CASES = [
@@ -142,7 +146,8 @@ def test_ema_is_taken_only_when_asked(tmp_path, fmt, ema_key):
     ema_model = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     ema_model.update_parameters(tiny_net(seed=1))  # EMA weights now differ from the model's
     ema_sd = ema_model.state_dict()
-    assert list(ema_sd)[0] == "n_averaged" and all(k.startswith("module.") for k in list(ema_sd)[1:])
+    assert list(ema_sd)[0] == "n_averaged"
+    assert all(k.startswith("module.") for k in list(ema_sd)[1:])
     checkpoint = _torchvision_reference(net.state_dict(), with_ema=True)
     checkpoint[ema_key] = ema_sd
     path = save(checkpoint, tmp_path / "ema.pth", fmt)
@@ -305,9 +310,14 @@ def _write(path, data):
     return path
 
 
-def _safetensors_bytes(header, data=b""):
-    raw = header if isinstance(header, bytes) else str(header).replace("'", '"').encode()
-    return struct.pack("<Q", len(raw)) + raw + data
+def _safetensors_bytes(header, data=b"", claimed_len=None):
+    """A safetensors file written by hand; `claimed_len` lets the length field lie."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(raw) if claimed_len is None else claimed_len) + raw + data
+
+
+def _w(dtype="F32", shape=(1,), offsets=(0, 4)):
+    return {"w": {"dtype": dtype, "shape": list(shape), "data_offsets": list(offsets)}}
 
 
 def _zip_with_text(path):
@@ -329,54 +339,78 @@ def _truncated(tmp_path, fmt):
     return _write(tmp_path / "half.pt", full[: len(full) // 2])
 
 
+def _run_dir(d):
+    (d / "run1").mkdir()
+    (d / "run1" / "last.ckpt").touch()
+    return d / "run1"
+
+
+ONE = torch.ones(1)
+# case -> (make the file in a tmp dir, regex the one-line message must match)
 BROKEN = {
     "missing": (lambda d: d / "nope.pt", "does not exist"),
-    "directory": (lambda d: (d / "run1").mkdir() or (d / "run1" / "last.ckpt").touch() or d / "run1",
-                  r"is a directory \(it contains last.ckpt\)"),
+    "directory": (_run_dir, r"is a directory \(it contains last.ckpt\)"),
     "empty": (lambda d: _write(d / "empty.pt", b""), r"is empty \(0 bytes\)"),
     "text": (lambda d: _write(d / "notes.pt", b"epoch 3 loss 0.12\n"), "a text file"),
     "png": (lambda d: _write(d / "img.pth", b"\x89PNG\r\n\x1a\n" + bytes(64)), "a PNG image"),
     "html": (lambda d: _write(d / "dl.pth", b"<!DOCTYPE html><html>Not Found"), "HTML page"),
-    "lfs_pointer": (lambda d: _write(d / "w.pth", b"version https://git-lfs.github.com/spec/v1\n"),
-                    "git lfs pull"),
-    "truncated_zip": (lambda d: _truncated(d, "zip"),
-                      "truncated or corrupt: the zip archive has no central directory"),
+    "lfs_pointer": (
+        lambda d: _write(d / "w.pth", b"version https://git-lfs.github.com/spec/v1\n"),
+        "git lfs pull",
+    ),
+    "truncated_zip": (
+        lambda d: _truncated(d, "zip"),
+        "truncated or corrupt: the zip archive has no central directory",
+    ),
     "truncated_legacy": (lambda d: _truncated(d, "legacy"), "truncated or corrupt"),
     "truncated_safetensors": (lambda d: _truncated(d, "safetensors"), "truncated or corrupt"),
-    "empty_zip": (lambda d: zipfile.ZipFile(d / "x.zip", "w").close() or d / "x.zip",
-                  "not a PyTorch or safetensors checkpoint: it looks like an empty zip archive"),
-    "non_torch_zip": (lambda d: _zip_with_text(d / "x.pt"), "zip archive but not a torch.save checkpoint"),
-    "plain_pickle": (lambda d: _write(d / "p.pkl", pickle.dumps({"a": 1}, protocol=2)),
-                     "not a torch.save checkpoint"),
+    "empty_zip": (
+        lambda d: zipfile.ZipFile(d / "x.zip", "w").close() or d / "x.zip",
+        "not a PyTorch or safetensors checkpoint: it looks like an empty zip archive",
+    ),
+    "non_torch_zip": (
+        lambda d: _zip_with_text(d / "x.pt"), "zip archive but not a torch.save checkpoint"
+    ),
+    "plain_pickle": (
+        lambda d: _write(d / "p.pkl", pickle.dumps({"a": 1}, protocol=2)),
+        "not a torch.save checkpoint",
+    ),
     "safetensors_header_lies": (
-        lambda d: _write(d / "lie.safetensors",
-                         struct.pack("<Q", 10**6) + b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}' + bytes(4)),
-        "header claims 1000000 bytes but only 58 bytes follow"),
-    "safetensors_bad_json": (lambda d: _write(d / "j.safetensors", _safetensors_bytes(b"{not json}")),
-                             "not valid JSON"),
+        lambda d: _write(d / "lie.safetensors", _safetensors_bytes(_w(), bytes(4), 10**6)),
+        "header claims 1000000 bytes but only 65 bytes follow",
+    ),
+    "safetensors_bad_json": (
+        lambda d: _write(d / "j.safetensors", _safetensors_bytes(b"{not json}")),
+        "not valid JSON",
+    ),
     "safetensors_offsets_past_end": (
-        lambda d: _write(d / "o.safetensors",
-                         _safetensors_bytes({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}},
-                                            bytes(8))),
-        r"tensor 'w' claims bytes 0\.\.16 but the data section has 8 bytes"),
+        lambda d: _write(d / "o.safetensors", _safetensors_bytes(_w(shape=[4], offsets=[0, 16]),
+                                                                 bytes(8))),
+        r"tensor 'w' claims bytes 0\.\.16 but the data section has 8 bytes",
+    ),
     "safetensors_bad_dtype": (
-        lambda d: _write(d / "t.safetensors",
-                         _safetensors_bytes({"w": {"dtype": "F99", "shape": [1], "data_offsets": [0, 4]}},
-                                            bytes(4))),
-        "truncated or corrupt"),
-    "top_level_list": (lambda d: save([torch.ones(1)], d / "list.pt", "zip"),
-                       "holds a list at the top level"),
-    "top_level_tensor": (lambda d: save(torch.ones(1), d / "t.pt", "zip"),
-                         "holds a Tensor at the top level"),
-    "no_state_dict": (lambda d: save({"epoch": 3, "optimizer": {"state": {}}}, d / "o.pt", "zip"),
-                      r"found top-level keys \['epoch', 'optimizer'\], looked for .*'model_state_dict'"),
-    "non_tensor_value": (lambda d: save({"conv.weight": torch.ones(1), "epoch": 3}, d / "v.pt", "zip"),
-                         "maps 'epoch' to an int, not a tensor"),
-    "non_tensor_in_model": (lambda d: save({"model": {"w": torch.ones(1), "arch": "r50"}}, d / "m.pt", "zip"),
-                            r"checkpoint\['model'\] maps 'arch' to a str"),
+        lambda d: _write(d / "t.safetensors", _safetensors_bytes(_w(dtype="F99"), bytes(4))),
+        "truncated or corrupt",
+    ),
+    "top_level_list": (lambda d: save([ONE], d / "list.pt", "zip"), "holds a list at the top"),
+    "top_level_tensor": (lambda d: save(ONE, d / "t.pt", "zip"), "holds a Tensor at the top"),
+    "no_state_dict": (
+        lambda d: save({"epoch": 3, "optimizer": {"state": {}}}, d / "o.pt", "zip"),
+        r"found top-level keys \['epoch', 'optimizer'\], looked for .*'model_state_dict'",
+    ),
+    "non_tensor_value": (
+        lambda d: save({"conv.weight": ONE, "epoch": 3}, d / "v.pt", "zip"),
+        "maps 'epoch' to an int, not a tensor",
+    ),
+    "non_tensor_in_model": (
+        lambda d: save({"model": {"w": ONE, "arch": "r50"}}, d / "m.pt", "zip"),
+        r"checkpoint\['model'\] maps 'arch' to a str",
+    ),
     "empty_state_dict": (lambda d: save({"state_dict": {}}, d / "e.pt", "zip"), "is empty"),
-    "ambiguous": (lambda d: save({"state_dict": {"a": torch.ones(1)}, "model": {"b": torch.ones(1)}},
-                                 d / "a.pt", "zip"), "ambiguous"),
+    "ambiguous": (
+        lambda d: save({"state_dict": {"a": ONE}, "model": {"b": ONE}}, d / "a.pt", "zip"),
+        "ambiguous",
+    ),
     "torchscript": (lambda d: _torchscript(d / "ts.pt"), "TorchScript archive"),
 }
 
@@ -387,7 +421,7 @@ def test_broken_files_give_one_clear_error(tmp_path, case):
     path = make(tmp_path)
     with pytest.raises(CheckpointError, match=expected) as excinfo:
         load_state_dict(path)
-    print(one_line_error(excinfo, path))
+    one_line_error(excinfo, path)
 
 
 # --- checkpoints saved "from the GPU" ------------------------------------------------------

@@ -30,7 +30,9 @@ from jaxport._errors import ConfigError
 # Lower runs first; torch's own taggers use 10 (cpu), 20 (cuda) and up. A unique value also keeps
 # `register_package`'s sort from comparing two functions when priorities tie.
 _PRIORITY = -1_000_003
-_device: contextvars.ContextVar[str | None] = contextvars.ContextVar("_cuda_tag_device", default=None)
+_device: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "_cuda_tag_device", default=None
+)
 _registered = False
 _lock = threading.Lock()
 

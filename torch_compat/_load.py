@@ -210,8 +210,8 @@ def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
     try:
         with warnings.catch_warnings():
             # torch warns before refusing a TorchScript archive; the error below says it all.
-            warnings.filterwarnings("ignore", message=".*TorchScript archive", category=UserWarning)
-            warnings.filterwarnings("ignore", message="Detected pickle protocol", category=UserWarning)
+            for noise in (".*TorchScript archive", "Detected pickle protocol"):
+                warnings.filterwarnings("ignore", message=noise, category=UserWarning)
             if trusted:
                 obj = torch.load(shown, map_location="cpu", weights_only=False, mmap=mmap)
             else:
@@ -236,7 +236,8 @@ def _refusal_message(shown: str, torch_message: str) -> str:
     if found is None:
         found = re.search(r"unrecognized function (.+?)(?: which belongs to .*)?$", inner)
     if found is not None:
-        what = f"imports `{_py3_name(found.group(1))}`, which is outside the weights-only allowed set"
+        global_name = _py3_name(found.group(1))
+        what = f"imports `{global_name}`, which is outside the weights-only allowed set"
     elif (op := re.search(r"Unsupported operand (\d+)", inner)) is not None:
         opcode = pickletools.code2op.get(chr(int(op.group(1))))
         name = opcode.name if opcode else op.group(1)
@@ -386,7 +387,10 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         return f"checkpoint[{key!r}]", value
     shown_keys = _short_list(keys)
     if ema:
-        what = f"a plain state dict ({len(keys)} tensors)" if is_flat else f"top-level keys {shown_keys}"
+        what = (
+            f"a plain state dict ({len(keys)} tensors)" if is_flat
+            else f"top-level keys {shown_keys}"
+        )
         raise CheckpointError(
             f"ema=True but checkpoint '{shown}' has no EMA weights: found {what}, looked for "
             f"{list(EMA_KEYS)}; load it without ema (CLI: drop --ema)"
@@ -400,7 +404,9 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
     hint = ""
     ema_found = [k for k in EMA_KEYS if k in obj and _is_weights(obj[k])]
     if ema_found:
-        hint = f"; it holds EMA weights under {ema_found[0]!r}: pass ema=True (CLI --ema) to use them"
+        hint = (
+            f"; it holds EMA weights under {ema_found[0]!r}: pass ema=True (CLI --ema) to use them"
+        )
     raise CheckpointError(
         f"checkpoint '{shown}' has no recognisable state dict: found top-level keys "
         f"{shown_keys}, looked for a dict of tensors or one of the keys {list(STATE_DICT_KEYS)}"
