@@ -39,7 +39,9 @@ def _human(n_bytes: float) -> str:
 def _load_checkpoint(path: str, trusted: bool, ema: bool):
     from torch_compat import load_state_dict
 
-    return load_state_dict(path, trusted=trusted, ema=ema)
+    # mmap: the conversion copies every tensor at once, so nothing is read twice and the peak
+    # stays near one copy of the weights (see torch_compat.load_state_dict on when not to).
+    return load_state_dict(path, trusted=trusted, ema=ema, mmap=True)
 
 
 def _print_reports(reports) -> bool:
@@ -114,7 +116,7 @@ def _cmd_export(args) -> int:
     import torch
     import torch_compat
 
-    from ._io import load_variables, read_metadata
+    from ._io import atomic_path, load_variables, read_metadata
 
     src = Path(args.variables)
     if src.is_dir():
@@ -129,13 +131,8 @@ def _cmd_export(args) -> int:
         raise ConfigError(f"'{src}' does not record its architecture; pass --arch (e.g. --arch resnet50)")
     state_dict = torch_compat.flax_to_torch(variables, arch)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    try:
+    with atomic_path(out) as tmp:
         torch.save(state_dict, tmp)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     print(f"wrote: {out} ({_human(out.stat().st_size)}), a torchvision {arch} state_dict "
           f"(torchvision.models.{arch}(num_classes={torch_compat.num_classes_of(state_dict)})"
           ".load_state_dict(torch.load(path), strict=True))")

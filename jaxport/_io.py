@@ -7,11 +7,12 @@ numpy memmaps): no copy, so reading back costs a small fraction of `torch.load`.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -52,6 +53,27 @@ def unflatten(flat: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
     return tree
 
 
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
+
+    An interrupted or failed write never leaves a partial file under the requested name, and
+    never destroys an existing one. The file gets the usual umask permissions (not mkstemp's 0600).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    try:
+        yield Path(tmp)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
 def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arch: str | None = None,
                    metadata: Mapping[str, str] | None = None) -> Path:
     """Write Flax variables to a safetensors file, atomically.
@@ -69,15 +91,8 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
     path = Path(path)
     flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(variables).items()}
     meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        safetensors.numpy.save_file(flat, tmp, metadata=meta)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp:
+        safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
     return path
 
 

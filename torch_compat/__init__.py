@@ -12,3 +12,7 @@ from ._crosscheck import CrossCheckReport as CrossCheckReport
 from ._crosscheck import StageError as StageError
 from ._crosscheck import cross_check as cross_check
 from ._reference import reference_model as reference_model
+from ._cuda_tag import saving_as_cuda as saving_as_cuda
+from ._default import default_checkpoint as default_checkpoint
+from ._load import load_state_dict as load_state_dict
+from ._load import weights_only_is_safe as weights_only_is_safe

@@ -51,10 +51,10 @@ class CrossCheckReport:
 
     def table(self) -> str:
         lines = [f"{self.arch} {self.mode} mode (tolerance {self.rtol:.0e} relative to each stage's scale)",
-                 f"  {'stage':<13}{'max abs err':>13}{'scale':>12}{'max rel err':>13}  ok"]
+                 f"  {'stage':<20}{'max abs err':>13}{'scale':>12}{'max rel err':>13}  ok"]
         for r in self.rows:
             ok = "yes" if np.isfinite(r.max_rel) and r.max_rel <= self.rtol else "NO"
-            lines.append(f"  {r.stage:<13}{r.max_abs:>13.3e}{r.scale:>12.3e}{r.max_rel:>13.3e}  {ok}")
+            lines.append(f"  {r.stage:<20}{r.max_abs:>13.3e}{r.scale:>12.3e}{r.max_rel:>13.3e}  {ok}")
         return "\n".join(lines)
 
 

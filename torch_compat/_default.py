@@ -9,10 +9,11 @@ whose state_dict keys carry `module.` and whose storages are tagged `cuda:0`.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import torch
+
+from jaxport._io import atomic_path
 
 from ._cuda_tag import saving_as_cuda
 from ._reference import reference_model
@@ -53,14 +54,6 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
         "best_acc1": torch.tensor(76.13),
         "optimizer": optimizer.state_dict(),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        with saving_as_cuda("cuda:0"):
-            torch.save(checkpoint, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, saving_as_cuda("cuda:0"):
+        torch.save(checkpoint, tmp)
     return path

@@ -1,0 +1,126 @@
+"""jaxport.models against torchvision: structure, options and initialisation."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+import torch_compat
+from jaxport import models
+from jaxport._errors import ConfigError
+from tests.helpers import ALL_ARCHS
+
+
+def _shapes(model, size=64):
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, size, size, 3))))
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_parameter_count_and_paths_equal_torchvision(arch):
+    variables = _shapes(models.build(arch))
+    torch_model = getattr(torchvision.models, arch)()
+    assert sum(x.size for x in jax.tree.leaves(variables["params"])) == sum(p.numel() for p in torch_model.parameters())
+    # Every Flax leaf is where the conversion table says torchvision's tensor of the same name goes.
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): leaf.shape
+            for path, leaf in jax.tree_util.tree_flatten_with_path(variables)[0]}
+    sd = torch_model.state_dict()
+    table = torch_compat.table(arch)
+    assert [e.torch_key for e in table] == list(sd)
+    assert {e.flax_key for e in table} == set(flat)
+    for e in table:
+        assert tuple(sd[e.torch_key].shape) == e.torch_shape
+        perm = e.perm or tuple(range(len(e.torch_shape)))
+        assert flat[e.flax_key] == tuple(e.torch_shape[p] for p in perm)
+
+
+def test_named_constructors_match_torchvision_names():
+    for arch in ALL_ARCHS:
+        assert getattr(models, arch).__name__ == arch
+        assert hasattr(torchvision.models, arch)
+    assert set(models.ARCHS) == set(ALL_ARCHS)
+
+
+@pytest.mark.parametrize("dilation", [(False, False, True), (False, True, True)])
+def test_replace_stride_with_dilation_matches_torchvision(dilation):
+    torch.manual_seed(0)
+    ref = torchvision.models.resnet50(num_classes=7, replace_stride_with_dilation=list(dilation)).eval()
+    variables = torch_compat.torch_to_flax(ref.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        expected = ref(x).numpy()
+    got = models.resnet50(num_classes=7, replace_stride_with_dilation=dilation).apply(
+        variables, jnp.asarray(x.permute(0, 2, 3, 1).numpy()))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+
+
+def test_zero_init_residual_zeroes_last_bn_scale_like_torchvision():
+    variables = models.resnet50(zero_init_residual=True).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    ref = torchvision.models.resnet50(zero_init_residual=True).state_dict()
+    assert not np.any(variables["params"]["layer1"]["0"]["bn3"]["scale"])
+    assert not torch.any(ref["layer1.0.bn3.weight"])
+    assert np.all(variables["params"]["layer1"]["0"]["bn2"]["scale"] == 1)
+    basic = models.resnet18(zero_init_residual=True).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    assert not np.any(basic["params"]["layer2"]["1"]["bn2"]["scale"])
+
+
+def test_fresh_init_is_distributed_like_torchvision():
+    """kaiming_normal(fan_out) convs and nn.Linear's uniform fc, as torchvision initialises."""
+    variables = models.resnet50().init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    ref = torchvision.models.resnet50().state_dict()
+    ours = variables["params"]["layer3"]["0"]["conv2"]["kernel"]
+    assert np.std(ours) == pytest.approx(ref["layer3.0.conv2.weight"].std().item(), rel=0.05)
+    fc = variables["params"]["fc"]
+    bound = 1 / np.sqrt(2048)
+    assert np.abs(fc["kernel"]).max() <= bound and np.abs(fc["bias"]).max() <= bound
+    assert np.std(fc["kernel"]) == pytest.approx(ref["fc.weight"].std().item(), rel=0.05)
+
+
+def test_torchvision_option_errors():
+    with pytest.raises(ConfigError, match="Dilation > 1 not supported in BasicBlock"):
+        models.resnet18(replace_stride_with_dilation=(False, False, True)).init(
+            jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    with pytest.raises(ConfigError, match="3-element tuple"):
+        models.resnet50(replace_stride_with_dilation=(True,)).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    with pytest.raises(ConfigError, match="`groups` .* fixed to 32 by resnext50_32x4d"):
+        models.resnext50_32x4d(groups=8)
+    with pytest.raises(ConfigError, match="not a known architecture"):
+        models.build("resnet51")
+    with pytest.raises(ConfigError, match="NHWC"):
+        models.resnet18().init(jax.random.key(0), jnp.zeros((32, 32, 3)))
+
+
+def test_custom_resnet_options_match_torchvision():
+    """groups/width_per_group on the generic ResNet, as torchvision.models.ResNet takes them."""
+    from torchvision.models.resnet import Bottleneck, ResNet
+
+    torch.manual_seed(0)
+    ref = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=5, groups=4, width_per_group=16).eval()
+    model = models.ResNet(block="bottleneck", layers=(1, 1, 1, 1), num_classes=5, groups=4, width_per_group=16)
+    variables = _convert_generic(ref)
+    x = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = ref(x).numpy()
+    got = model.apply(variables, jnp.asarray(x.permute(0, 2, 3, 1).numpy()))
+    np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
+
+
+def _convert_generic(ref):
+    """Convert by the layout rules alone (the named-arch table does not cover custom ResNets)."""
+    from torch_compat._convert import RULES
+
+    out = {"params": {}, "batch_stats": {}}
+    kinds = {torch.nn.Conv2d: "conv", torch.nn.BatchNorm2d: "bn", torch.nn.Linear: "linear"}
+    for name, module in ref.named_modules():
+        kind = kinds.get(type(module))
+        if kind is None:
+            continue
+        for tname, t in module.state_dict().items():
+            collection, leaf, perm = RULES[kind][tname]
+            a = t.numpy()
+            a = a.transpose(perm) if perm else a
+            node = out[collection]
+            for part in name.split("."):
+                node = node.setdefault(part, {})
+            node[leaf] = a.astype(np.int32) if leaf == "num_batches_tracked" else a
+    return out
