@@ -64,11 +64,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
     try:
         yield Path(tmp)
+        # After the write: some writers (safetensors) recreate the file with mode 0600.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
@@ -89,7 +90,8 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
       The path written.
     """
     path = Path(path)
-    flat = {k: np.ascontiguousarray(np.asarray(v)) for k, v in flatten(variables).items()}
+    # not np.ascontiguousarray: it turns 0-d arrays (num_batches_tracked) into 1-d ones
+    flat = {k: np.asarray(v, order="C") for k, v in flatten(variables).items()}
     meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
     with atomic_path(path) as tmp:
         safetensors.numpy.save_file(flat, str(tmp), metadata=meta)

@@ -68,8 +68,9 @@ class BatchNorm(nn.Module):
             if not self.is_initializing():
                 m = self.momentum
                 unbiased = var * (n / max(n - 1, 1)) if isinstance(n, int) else var * n / jnp.maximum(n - 1, 1)
-                ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(self.param_dtype)
-                ra_var.value = ((1 - m) * ra_var.value + m * unbiased).astype(self.param_dtype)
+                # Keep the stored dtype (float64 weights stay float64), not param_dtype.
+                ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(ra_mean.value.dtype)
+                ra_var.value = ((1 - m) * ra_var.value + m * unbiased).astype(ra_var.value.dtype)
                 count.value = count.value + 1
         else:
             mean, var = ra_mean.value, ra_var.value

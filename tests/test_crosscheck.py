@@ -1,0 +1,86 @@
+"""cross_check must pass a correct port and fail a broken one; train mode is exact in float64."""
+import copy
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import torch_compat
+from tests.helpers import reference
+
+
+def _swap(variables, a, b):
+    v = copy.deepcopy(variables)
+    ca, pa, la = a
+    cb, pb, lb = b
+    na, nb = v[ca], v[cb]
+    for p in pa:
+        na = na[p]
+    for p in pb:
+        nb = nb[p]
+    na[la], nb[lb] = np.array(nb[lb]), np.array(na[la])
+    return v
+
+
+@pytest.mark.parametrize("mutation", ["mean<->var", "scale<->bias", "kernel transposed", "fc bias"])
+def test_cross_check_detects_broken_ports(mutation):
+    sd = reference("resnet18").state_dict()
+    v = torch_compat.torch_to_flax(sd)
+    bn = ("layer2", "0", "bn1")
+    if mutation == "mean<->var":
+        v = _swap(v, ("batch_stats", bn, "mean"), ("batch_stats", bn, "var"))
+    elif mutation == "scale<->bias":
+        v = _swap(v, ("params", bn, "scale"), ("params", bn, "bias"))
+    elif mutation == "kernel transposed":
+        k = v["params"]["layer3"]["1"]["conv2"]["kernel"]
+        v["params"]["layer3"]["1"]["conv2"]["kernel"] = np.ascontiguousarray(k.transpose(1, 0, 2, 3))
+    else:
+        v["params"]["fc"]["bias"] = v["params"]["fc"]["bias"] + 1e-3
+    (report,) = torch_compat.cross_check(sd, v, modes=("eval",))
+    assert not report.ok, report.table()
+    assert "NO" in report.table()
+
+
+def test_cross_check_reports_both_modes_and_passes_a_correct_port():
+    reports = torch_compat.cross_check(reference("resnet18").state_dict())
+    assert [r.mode for r in reports] == ["eval", "train"]
+    assert all(r.ok for r in reports), "\n".join(r.table() for r in reports)
+
+
+def test_cross_check_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="modes"):
+        torch_compat.cross_check(reference("resnet18").state_dict(), modes=("test",))
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
+def test_train_mode_is_exact_in_float64(arch):
+    """The float32 train-mode tolerance is rounding, not semantics: in float64 the port agrees
+    with torch to ~1e-12, logits and running statistics alike. x64 is process-global, so this
+    runs in its own interpreter."""
+    code = textwrap.dedent(f"""
+        import jax
+        jax.config.update("jax_enable_x64", True)
+        import numpy as np, torch, torchvision, jax.numpy as jnp
+        import torch_compat
+        from jaxport import models
+        ref = torch_compat.reference_model("{arch}", num_classes=10, dtype=torch.float64)
+        x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+        variables = torch_compat.torch_to_flax(ref.state_dict())
+        assert variables["params"]["conv1"]["kernel"].dtype == np.float64
+        ref.train()
+        with torch.no_grad():
+            expected = ref(x).numpy()
+        got, state = models.build("{arch}", num_classes=10).apply(
+            variables, jnp.asarray(x.permute(0, 2, 3, 1).numpy()), train=True, mutable=["batch_stats"])
+        assert got.dtype == jnp.float64
+        err = np.abs(np.asarray(got) - expected).max() / np.abs(expected).max()
+        back = torch_compat.flax_to_torch({{"params": variables["params"], **state}}, "{arch}")
+        stats = max((back[k] - t).abs().max().item() / t.abs().max().item()
+                    for k, t in ref.state_dict().items() if k.endswith(("running_mean", "running_var")))
+        print(err, stats)
+        assert err < 1e-10 and stats < 1e-10, (err, stats)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,0 +1,70 @@
+"""jaxport.save_variables / load_variables: bit-exact, atomic, clear errors."""
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxport
+from jaxport import CheckpointError
+
+
+def _variables():
+    rng = np.random.default_rng(0)
+    return {
+        "params": {"conv1": {"kernel": rng.standard_normal((7, 7, 3, 64)).astype(np.float32)},
+                   "fc": {"bias": rng.standard_normal(10).astype(ml_dtypes.bfloat16),
+                          "kernel": rng.standard_normal((4, 10)).astype(np.float16)}},
+        "batch_stats": {"bn1": {"mean": rng.standard_normal(64), "num_batches_tracked": np.array(7, np.int32)}},
+    }
+
+
+def test_round_trip_is_bit_exact_with_metadata(tmp_path):
+    v = _variables()
+    path = jaxport.save_variables(tmp_path / "v.safetensors", v, arch="resnet18")
+    back = jaxport.load_variables(path)
+    flat_v = jaxport._io.flatten(v)
+    flat_b = jaxport._io.flatten(back)
+    assert set(flat_v) == set(flat_b)
+    for k in flat_v:
+        assert flat_b[k].dtype == flat_v[k].dtype and flat_b[k].shape == flat_v[k].shape, k
+        assert flat_b[k].tobytes() == np.asarray(flat_v[k]).tobytes(), k
+    meta = jaxport.read_metadata(path)
+    assert meta["arch"] == "resnet18" and meta["format"] == "jaxport.variables"
+    assert [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]  # no temporary left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # umask permissions, not mkstemp's 0600
+
+
+def test_failed_save_keeps_the_old_file(tmp_path):
+    path = jaxport.save_variables(tmp_path / "v.safetensors", _variables(), arch="resnet18")
+    before = path.read_bytes()
+    with pytest.raises(Exception):
+        jaxport.save_variables(path, {"params": {"bad": object()}})
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "directory", "truncated", "garbage", "lying header"])
+def test_broken_files_give_one_clear_error(tmp_path, case):
+    path = tmp_path / "v.safetensors"
+    if case == "empty":
+        path.write_bytes(b"")
+    elif case == "directory":
+        path.mkdir()
+    elif case == "truncated":
+        jaxport.save_variables(path, _variables())
+        path.write_bytes(path.read_bytes()[:-100])
+    elif case == "garbage":
+        path.write_text("hello, I am not a tensor file\n" * 10)
+    elif case == "lying header":
+        header = json.dumps({"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+        path.write_bytes((len(header) + 1000).to_bytes(8, "little") + header + b"\0" * 16)
+    with pytest.raises(CheckpointError) as e:
+        jaxport.load_variables(path)
+    msg = str(e.value)
+    assert str(path) in msg and "\n" not in msg
+    expected = {"missing": "does not exist", "empty": "is empty", "directory": "is a directory"}.get(case, "not a valid safetensors")
+    assert expected in msg
