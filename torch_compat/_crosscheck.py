@@ -21,23 +21,39 @@ _TORCH_MODULE = {"stem": "maxpool", "layer1": "layer1", "layer2": "layer2", "lay
                  "layer4": "layer4", "pooled": "avgpool", "logits": "fc"}
 
 
+# In train mode a stage passes when the port's error is within this many times torch's own
+# float32 rounding error there (torch float32 vs torch float64 on the same inputs and weights).
+NOISE_FACTOR = 10.0
+
+
 @dataclasses.dataclass(frozen=True)
 class StageError:
-    """Disagreement on one stage: max |jax - torch| and that divided by max |torch|."""
+    """Disagreement on one stage: max |jax - torch| and that divided by max |torch| (`scale`).
+
+    `noise` is torch's own float32 error on the stage (relative to the same scale, measured
+    against torch in float64; NaN where not measured) and `tol` the bound `max_rel` is held to.
+    """
 
     stage: str
     max_abs: float
     max_rel: float
     scale: float
+    tol: float = np.inf
+    noise: float = np.nan
+
+    @property
+    def ok(self) -> bool:
+        return bool(np.isfinite(self.max_rel) and self.max_rel <= self.tol)
 
 
 @dataclasses.dataclass(frozen=True)
 class CrossCheckReport:
-    """Per-stage errors of one mode ("eval" or "train") against a relative tolerance.
+    """Per-stage errors of one mode ("eval" or "train").
 
     `max_rel` is relative to the stage's scale (max |torch value|), so one tolerance fits
-    stages whose magnitudes differ by orders. In train mode the rows `running_mean` and
-    `running_var` compare every BatchNorm's updated statistics (worst layer).
+    stages whose magnitudes differ by orders. In train mode the rows `running_mean`,
+    `running_var` and `num_batches_tracked` compare every BatchNorm's updated state (worst
+    layer), and each row's tolerance is `max(rtol, NOISE_FACTOR * torch's own float32 error)`.
     """
 
     arch: str
@@ -47,24 +63,38 @@ class CrossCheckReport:
 
     @property
     def ok(self) -> bool:
-        return all(np.isfinite(r.max_rel) and r.max_rel <= self.rtol for r in self.rows)
+        return all(r.ok for r in self.rows)
 
     def table(self) -> str:
-        lines = [f"{self.arch} {self.mode} mode (tolerance {self.rtol:.0e} relative to each stage's scale)",
-                 f"  {'stage':<20}{'max abs err':>13}{'scale':>12}{'max rel err':>13}  ok"]
+        train = self.mode == "train"
+        head = f"{self.arch} {self.mode} mode: error relative to each stage's scale, tolerance {self.rtol:.0e}"
+        if train:
+            head += f" or {NOISE_FACTOR:g}x torch's own float32 error (torch f32 vs f64), if larger"
+        cols = f"  {'stage':<20}{'max abs err':>13}{'scale':>12}{'max rel err':>13}"
+        lines = [head, cols + (f"{'torch f32 err':>15}" if train else "") + f"{'tolerance':>11}  ok"]
         for r in self.rows:
-            ok = "yes" if np.isfinite(r.max_rel) and r.max_rel <= self.rtol else "NO"
-            lines.append(f"  {r.stage:<20}{r.max_abs:>13.3e}{r.scale:>12.3e}{r.max_rel:>13.3e}  {ok}")
+            row = f"  {r.stage:<20}{r.max_abs:>13.3e}{r.scale:>12.3e}{r.max_rel:>13.3e}"
+            row += f"{r.noise:>15.3e}" if train else ""
+            lines.append(row + f"{r.tol:>11.1e}  {'yes' if r.ok else 'NO'}")
         return "\n".join(lines)
 
 
-def _err(stage: str, a: np.ndarray, b: np.ndarray) -> StageError:
+def _err(stage: str, a: np.ndarray, b: np.ndarray, rtol: float, b64: np.ndarray | None = None) -> StageError:
+    """Compare `a` (the port) with `b` (torch); `b64` is torch in float64, for its own noise."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     if a.shape != b.shape:
         raise AssertionError(f"stage {stage}: jax shape {a.shape} != torch shape {b.shape}")
     max_abs = float(np.max(np.abs(a - b))) if a.size else 0.0
     scale = float(np.max(np.abs(b))) if b.size else 0.0
-    return StageError(stage, max_abs, max_abs / scale if scale > 0 else (0.0 if max_abs == 0 else np.inf), scale)
+
+    def rel(x):
+        return x / scale if scale > 0 else (0.0 if x == 0 else np.inf)
+
+    noise, tol = np.nan, rtol
+    if b64 is not None:
+        noise = rel(float(np.max(np.abs(b - np.asarray(b64, np.float64)))) if b.size else 0.0)
+        tol = max(rtol, NOISE_FACTOR * noise)
+    return StageError(stage, max_abs, rel(max_abs), scale, tol, noise)
 
 
 def _torch_stages(model: torch.nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
@@ -72,7 +102,7 @@ def _torch_stages(model: torch.nn.Module, x: torch.Tensor) -> dict[str, np.ndarr
     hooks = []
     for stage, name in _TORCH_MODULE.items():
         def hook(_m, _i, o, stage=stage):
-            o = o.detach().float()
+            o = o.detach()
             if stage == "pooled":
                 o = torch.flatten(o, 1)
             elif o.ndim == 4:
@@ -113,10 +143,13 @@ def cross_check(
         compares every BatchNorm's updated running statistics.
       batch_size, image_size, seed: the random NCHW/NHWC inputs.
       rtol: eval-mode tolerance on each stage's max error relative to its scale.
-      train_rtol: train-mode tolerance. Train-mode BatchNorm divides by the standard deviation
-        of few values (8 per channel in layer4 at batch 2, 64 px), which amplifies float32
-        rounding: torch float32 itself differs from torch float64 by ~5e-5 there on ResNet-50,
-        while the port agrees with torch to ~1e-13 in float64 (tests/test_crosscheck.py).
+      train_rtol: train-mode tolerance floor. Train-mode BatchNorm divides by the standard
+        deviation of few values (8 per channel in layer4 at batch 2, 64 px), which amplifies
+        float32 rounding through the depth of the net: torch float32 itself differs from torch
+        float64 by ~5e-5 on ResNet-50's logits and ~1e-3 on ResNet-152's, while the port agrees
+        with torch to ~1e-13 in float64 (tests/test_crosscheck.py). So torch also runs in
+        float64 in train mode, and a stage passes within `max(train_rtol, NOISE_FACTOR *
+        torch's own float32 error)`.
 
     Returns:
       One `CrossCheckReport` per mode; `report.ok` tells whether it is within `rtol`.
@@ -143,6 +176,13 @@ def cross_check(
         torch_model.load_state_dict(f32, strict=True)
         torch_model.train(mode == "train")
         ref = _torch_stages(torch_model, x)
+        ref64, model64 = {}, None
+        if mode == "train":
+            model64 = getattr(torchvision.models, arch)(num_classes=num_classes).double()
+            model64.load_state_dict(f32, strict=True)
+            model64.train()
+            ref64 = _torch_stages(model64, x.double())
+        tol = rtol if mode == "eval" else train_rtol
         with jax.default_matmul_precision("highest"):
             if mode == "eval":
                 logits, state = flax_model.apply(variables, x_nhwc, mutable=["intermediates"])
@@ -151,18 +191,20 @@ def cross_check(
         sown = state["intermediates"]
         inter = {s: (sown[s]["out"] if s.startswith("layer") else sown.get(s))[0] for s in STAGES[:-1]}
         inter["logits"] = logits
-        rows = [_err(s, np.asarray(inter[s]), ref[s]) for s in STAGES]
+        rows = [_err(s, np.asarray(inter[s]), ref[s], tol, ref64.get(s)) for s in STAGES]
         if mode == "train":
-            rows += _running_stats_rows(torch_model, {"params": variables["params"], "batch_stats": state["batch_stats"]}, arch)
-        reports.append(CrossCheckReport(arch, mode, tuple(rows), rtol if mode == "eval" else train_rtol))
+            updated = {"params": variables["params"], "batch_stats": state["batch_stats"]}
+            rows += _running_stats_rows(torch_model, model64, updated, arch, tol)
+        reports.append(CrossCheckReport(arch, mode, tuple(rows), tol))
     return reports
 
 
-def _running_stats_rows(torch_model: torch.nn.Module, variables: Mapping[str, Any], arch: str) -> list[StageError]:
+def _running_stats_rows(torch_model: torch.nn.Module, model64: torch.nn.Module, variables: Mapping[str, Any],
+                        arch: str, rtol: float) -> list[StageError]:
     ours = flax_to_torch(variables, arch)
-    ref = torch_model.state_dict()
+    ref, ref64 = torch_model.state_dict(), model64.state_dict()
     rows = []
     for stat in ("running_mean", "running_var", "num_batches_tracked"):
-        errors = [_err(stat, ours[k].numpy(), t.numpy()) for k, t in ref.items() if k.endswith(stat)]
+        errors = [_err(stat, ours[k].numpy(), t.numpy(), rtol, ref64[k].numpy()) for k, t in ref.items() if k.endswith(stat)]
         rows.append(max(errors, key=lambda e: (not np.isfinite(e.max_rel), e.max_rel)))
     return rows

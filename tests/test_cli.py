@@ -1,0 +1,154 @@
+"""The jaxport command line: the main job, round trips, and one-line errors with no traceback."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+import jaxport
+import torch_compat
+from jaxport._cli import main
+from tests.helpers import reference
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*args, cwd=None, env=None):
+    """The CLI in a fresh interpreter, as a user runs it."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([sys.executable, "-m", "jaxport", *args], capture_output=True, text=True,
+                          cwd=cwd, env=full_env, timeout=600)
+
+
+def _assert_one_line_error(proc_or_err, *fragments):
+    err = proc_or_err if isinstance(proc_or_err, str) else proc_or_err.stderr
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("jaxport: error")]
+    assert len(lines) == 1, err
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def resnet18_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "r18.pth"
+    torch.save({"model": reference("resnet18").state_dict(), "epoch": 3}, path)
+    return path
+
+
+def test_port_with_no_arguments_ports_the_embedded_default(tmp_path):
+    """The README's main job: offline, no arguments, a DataParallel checkpoint saved on cuda:0."""
+    proc = _run("port", "--verify", cwd=tmp_path, env={"JAXPORT_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "architecture: resnet50 (detected), 1000 classes" in proc.stdout
+    assert "verify: PASS" in proc.stdout
+    for stage in ("stem", "layer4", "logits", "running_var"):
+        assert stage in proc.stdout
+    ckpt = tmp_path / "cache" / torch_compat._default.FILENAME
+    assert b"cuda:0" in ckpt.read_bytes()  # really tagged as saved from the GPU
+    raw = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert all(k.startswith("module.") for k in raw["state_dict"])
+    # The written variables equal the checkpoint's weights, bit for bit, and run like torch.
+    out = tmp_path / "resnet50_dataparallel_cuda.safetensors"
+    variables = jaxport.load_variables(out)
+    sd = {k.removeprefix("module."): v for k, v in raw["state_dict"].items()}
+    back = torch_compat.flax_to_torch(variables, "resnet50")
+    assert all(torch.equal(back[k], v) for k, v in sd.items())
+    assert jaxport.read_metadata(out)["arch"] == "resnet50"
+
+
+def test_port_verify_export_round_trip(tmp_path, resnet18_checkpoint):
+    out = tmp_path / "r18.safetensors"
+    assert main(["port", str(resnet18_checkpoint), "--out", str(out)]) == 0
+    assert main(["verify", str(resnet18_checkpoint), str(out), "--mode", "eval"]) == 0
+    pt = tmp_path / "back.pt"
+    assert main(["export", str(out), "--out", str(pt)]) == 0
+    back = torch.load(pt, weights_only=True)
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(back, strict=True)
+    for k, v in reference("resnet18").state_dict().items():
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+
+
+def test_verify_fails_with_exit_1_on_a_broken_port(tmp_path, resnet18_checkpoint, capsys):
+    variables = torch_compat.torch_to_flax(reference("resnet18").state_dict())
+    bn = variables["batch_stats"]["layer1"]["1"]["bn2"]
+    bn["mean"], bn["var"] = bn["var"], bn["mean"]
+    bad = jaxport.save_variables(tmp_path / "bad.safetensors", variables, arch="resnet18")
+    assert main(["verify", str(resnet18_checkpoint), str(bad), "--mode", "eval"]) == 1
+    out = capsys.readouterr().out
+    assert "verify: FAIL" in out and "NO" in out
+
+
+def test_export_needs_an_arch_when_the_file_has_none(tmp_path, capsys):
+    path = jaxport.save_variables(tmp_path / "v.safetensors",
+                                  torch_compat.torch_to_flax(reference("resnet18").state_dict()))
+    assert main(["export", str(path), "--out", str(tmp_path / "x.pt")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "does not record its architecture", "--arch")
+    assert main(["export", str(path), "--arch", "resnet18", "--out", str(tmp_path / "x.pt")]) == 0
+
+
+def test_errors_are_one_line_without_traceback(tmp_path, resnet18_checkpoint, capsys):
+    assert main(["port", str(tmp_path / "nope.pt")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "nope.pt")
+
+    assert main(["port", str(resnet18_checkpoint), "--arch", "resnet50", "--out", str(tmp_path / "x.safetensors")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "look like resnet18, not resnet50")
+    assert not (tmp_path / "x.safetensors").exists()
+
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert main(["verify", str(tmp_path / "notes.txt")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "notes.txt")
+
+    with pytest.raises(SystemExit) as e:
+        main(["verify", str(resnet18_checkpoint), "--batch-size", "0"])
+    assert e.value.code == 2
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Payload.marker}",))
+
+
+def test_hostile_pickle_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    _Payload.marker = marker
+    evil = tmp_path / "evil.pth"
+    torch.save({"state_dict": reference("resnet18").state_dict(), "hook": _Payload()}, evil)
+    proc = _run("port", str(evil), "--out", str(tmp_path / "evil.safetensors"))
+    assert proc.returncode == 2
+    _assert_one_line_error(proc, "evil.pth", "system", "--trusted")
+    assert not marker.exists()
+    assert not (tmp_path / "evil.safetensors").exists()
+
+
+def test_env_reports_versions_and_devices(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for name in ("python", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "torch", "torchvision",
+                 "numpy", "pillow", "jax devices"):
+        assert f"\n{name} " in "\n" + out, name
+
+
+def test_env_warns_about_torchvision_built_for_another_torch(monkeypatch, capsys):
+    import importlib.metadata as md
+
+    real_version = md.version
+    monkeypatch.setattr(md, "version", lambda d: "2.13.0" if d == "torch" else real_version(d))
+    assert main(["env"]) == 0
+    assert "was built for torch" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    """`make test` installs the package; the `jaxport` entry point must be on the venv's PATH."""
+    script = shutil.which("jaxport", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("jaxport is not installed in this interpreter (run through `make test`)")
+    proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("jaxport ")
