@@ -1,0 +1,72 @@
+"""Port a torchvision ResNet checkpoint to Flax, compare logits with torch, make a prediction.
+
+    python examples/port_resnet.py [CHECKPOINT] [--out resnet.safetensors]
+
+With no CHECKPOINT it uses jaxport's embedded default (a ResNet-50 saved like a GPU
+DataParallel training run). No pretrained weights can be downloaded here, so the default's
+"prediction" is that of a randomly initialised (but BatchNorm-calibrated) network: the point
+is that torch and JAX make the same one. The photo is a real one that ships with scikit-learn.
+"""
+import argparse
+import sys
+
+import jax
+import numpy as np
+import torch
+import torchvision
+from PIL import Image
+from sklearn.datasets import load_sample_image
+from torchvision import transforms
+
+import jaxport
+import torch_compat
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checkpoint", nargs="?")
+    parser.add_argument("--out", default="ported.safetensors")
+    args = parser.parse_args()
+
+    # 1. Load safely (weights-only unpickler; `module.`/`_orig_mod.` stripped) and convert.
+    path = args.checkpoint or torch_compat.default_checkpoint()
+    state_dict = torch_compat.load_state_dict(path)
+    arch = torch_compat.detect_arch(state_dict)
+    variables = torch_compat.torch_to_flax(state_dict, arch)
+    jaxport.save_variables(args.out, variables, arch=arch)
+    variables = jaxport.load_variables(args.out)  # what a JAX-only program would do
+    num_classes = torch_compat.num_classes_of(state_dict)
+    print(f"{path}: {arch}, {num_classes} classes -> {args.out}")
+
+    # 2. One real photo, torchvision's ImageNet evaluation preprocessing.
+    preprocess = transforms.Compose([
+        transforms.Resize(256), transforms.CenterCrop(224), transforms.ToTensor(),
+        transforms.Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)),
+    ])
+    image = preprocess(Image.fromarray(load_sample_image("china.jpg")))[None]  # NCHW
+
+    # 3. The same image through torchvision and through the Flax port (NHWC).
+    torch_model = getattr(torchvision.models, arch)(num_classes=num_classes)
+    torch_model.load_state_dict(state_dict, strict=True)
+    with torch.no_grad():
+        torch_logits = torch_model.eval()(image.float()).numpy()
+    flax_model = jaxport.models.build(arch, num_classes=num_classes)
+    with jax.default_matmul_precision("highest"):
+        jax_logits = np.asarray(jax.jit(flax_model.apply)(variables, image.permute(0, 2, 3, 1).numpy()))
+    rel = np.abs(jax_logits - torch_logits).max() / np.abs(torch_logits).max()
+    print(f"max |jax - torch| / max |torch| on the logits: {rel:.2e}")
+
+    # 4. The prediction, by both.
+    categories = torchvision.models.ResNet50_Weights.IMAGENET1K_V1.meta["categories"]
+    names = categories if num_classes == len(categories) else [f"class {i}" for i in range(num_classes)]
+    top_torch = np.argsort(-torch_logits[0])[:5]
+    top_jax = np.argsort(-jax_logits[0])[:5]
+    print("top-5 (torch):", ", ".join(names[i] for i in top_torch))
+    print("top-5 (jax):  ", ", ".join(names[i] for i in top_jax))
+    same = list(top_torch) == list(top_jax)
+    print("same prediction:", same)
+    return 0 if rel < 1e-4 and same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
