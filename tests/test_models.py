@@ -55,18 +55,18 @@ def test_replace_stride_with_dilation_matches_torchvision(dilation):
 
 
 def test_zero_init_residual_zeroes_last_bn_scale_like_torchvision():
-    variables = models.resnet50(zero_init_residual=True).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    variables = jax.jit(models.resnet50(zero_init_residual=True).init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     ref = torchvision.models.resnet50(zero_init_residual=True).state_dict()
     assert not np.any(variables["params"]["layer1"]["0"]["bn3"]["scale"])
     assert not torch.any(ref["layer1.0.bn3.weight"])
     assert np.all(variables["params"]["layer1"]["0"]["bn2"]["scale"] == 1)
-    basic = models.resnet18(zero_init_residual=True).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    basic = jax.jit(models.resnet18(zero_init_residual=True).init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     assert not np.any(basic["params"]["layer2"]["1"]["bn2"]["scale"])
 
 
 def test_fresh_init_is_distributed_like_torchvision():
     """kaiming_normal(fan_out) convs and nn.Linear's uniform fc, as torchvision initialises."""
-    variables = models.resnet50().init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    variables = jax.jit(models.resnet50().init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     ref = torchvision.models.resnet50().state_dict()
     ours = variables["params"]["layer3"]["0"]["conv2"]["kernel"]
     assert np.std(ours) == pytest.approx(ref["layer3.0.conv2.weight"].std().item(), rel=0.05)
