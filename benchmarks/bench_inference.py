@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--torch-threads", type=int, nargs="+", default=None)
     p.add_argument("--xla-flags", default=None, help="set XLA_FLAGS before jax is imported")
-    p.add_argument("--variants", nargs="+", default=["jax", "jax-const", "jax-folded"])
+    p.add_argument("--variants", nargs="+", default=["jax", "jax-folded"], help="also: jax-const")
     p.add_argument("--device", default="cpu", help="cpu or cuda (jax: the matching backend)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = p.parse_args(argv)
