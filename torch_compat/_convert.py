@@ -208,6 +208,36 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
+    """`np.ascontiguousarray(_to_numpy(t).transpose(perm))`, bit for bit, in a fraction of the time.
+
+    numpy copies a transposed weight element by element, reading with a stride of a whole row: a
+    cache miss per element (about 70 ms of ResNet-50's 100 ms conversion). torch copies a
+    transposed 2-D tensor into a contiguous one with a cache-blocked kernel instead, so both
+    layout changes are written as one such 2-D transpose: a linear (O, I) -> (I, O) directly,
+    a conv OIHW viewed as (O, I*H*W) -> (I, H*W, O), then H*W moves in front of I by copying
+    contiguous rows of O elements (nothing to do for 1x1 kernels).
+    """
+    t = t.detach().cpu()
+    if perm == (1, 0):
+        return _to_numpy(_transposed_2d(t))
+    if perm == _OIHW_TO_HWIO:
+        o, i, h, w = t.shape
+        a = _to_numpy(_transposed_2d(t.reshape(o, i * h * w)))  # (I*H*W, O)
+        if h * w == 1:
+            return a.reshape(h, w, i, o)
+        out = np.empty((h * w, i, o), a.dtype)
+        out[...] = a.reshape(i, h * w, o).transpose(1, 0, 2)
+        return out.reshape(h, w, i, o)
+    return np.ascontiguousarray(_to_numpy(t).transpose(perm))
+
+
+def _transposed_2d(t: torch.Tensor) -> torch.Tensor:
+    # `copy_` from a transposed view into a contiguous tensor takes torch's blocked transpose.
+    out = torch.empty((t.shape[1], t.shape[0]), dtype=t.dtype)
+    return out.copy_(t.t())
+
+
 def _to_torch(a: Any) -> torch.Tensor:
     a = np.asarray(a)
     if a.dtype == ml_dtypes.bfloat16:
@@ -258,7 +288,7 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
         if t is None:  # optional counter, absent from very old checkpoints
             a = np.zeros((), np.int32)
         elif e.perm is not None:
-            a = np.ascontiguousarray(_to_numpy(t).transpose(e.perm))
+            a = _permuted_copy(t, e.perm)
         else:
             a = np.array(_to_numpy(t), copy=True)
         if e.flax_path[-1] == "num_batches_tracked":

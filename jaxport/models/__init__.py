@@ -1,5 +1,8 @@
 """Flax Linen ResNets that reproduce torchvision's exactly (NHWC inputs)."""
 from ._batchnorm import BatchNorm as BatchNorm
+from ._fold import FoldedResNet as FoldedResNet
+from ._fold import build_folded as build_folded
+from ._fold import fold_batchnorm as fold_batchnorm
 from ._resnet import ARCHS as ARCHS
 from ._resnet import BasicBlock as BasicBlock
 from ._resnet import Bottleneck as Bottleneck

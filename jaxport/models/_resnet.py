@@ -81,7 +81,11 @@ class _Downsample(nn.Module):
 
 
 class _ConvLeaf(nn.Module):
-    """torch.nn.Conv2d(bias=False), symmetric padding `dilation * (k - 1) // 2`; kernel at `<name>/kernel`."""
+    """torch.nn.Conv2d, symmetric padding `dilation * (k - 1) // 2`; kernel at `<name>/kernel`.
+
+    Without a bias, as torchvision's ResNet convs; `use_bias=True` (a `FoldedResNet`, whose convs
+    carry their BatchNorm) adds `<name>/bias`.
+    """
 
     features: int
     kernel: int
@@ -90,6 +94,7 @@ class _ConvLeaf(nn.Module):
     dilation: int = 1
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
+    use_bias: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -100,8 +105,9 @@ class _ConvLeaf(nn.Module):
         kernel = self.param(
             "kernel", _conv_init, (k, k, in_features // self.groups, self.features), self.param_dtype
         )
-        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
-        return jax.lax.conv_general_dilated(
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = jax.lax.conv_general_dilated(
             x,
             kernel,
             window_strides=(self.stride, self.stride),
@@ -110,6 +116,7 @@ class _ConvLeaf(nn.Module):
             dimension_numbers=("NHWC", "HWIO", "NHWC"),
             feature_group_count=self.groups,
         )
+        return y if bias is None else y + bias
 
 
 class BasicBlock(nn.Module):
@@ -235,8 +242,7 @@ class ResNet(nn.Module):
             raise ConfigError(
                 f"`replace_stride_with_dilation` should be None or a 3-element tuple, got {dilate}"
             )
-        norm = functools.partial(BatchNorm, axis_name=self.bn_axis_name, param_dtype=self.param_dtype)
-        conv = functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm, conv = self._norm_and_conv()
 
         x = conv(64, 7, 2, name="conv1")(x)
         x = nn.relu(norm(name="bn1")(x, train))
@@ -269,6 +275,12 @@ class ResNet(nn.Module):
             param_dtype=self.param_dtype,
             name="fc",
         )(x)
+
+
+    def _norm_and_conv(self) -> tuple[Callable, Callable]:
+        """The BatchNorm and conv every layer is built from (a `FoldedResNet` swaps them)."""
+        return (functools.partial(BatchNorm, axis_name=self.bn_axis_name, param_dtype=self.param_dtype),
+                functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype))
 
 
 def _constructor(arch: str) -> Callable[..., ResNet]:
