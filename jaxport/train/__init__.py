@@ -15,3 +15,11 @@ from ._step import make_mesh as make_mesh
 from ._step import make_train_step as make_train_step
 from ._step import replicate as replicate
 from ._step import shard_batch as shard_batch
+from ._checkpoint import load_workdir as load_workdir
+from ._data import digits as digits
+from ._data import image_folder as image_folder
+from ._loop import TrainConfig as TrainConfig
+from ._loop import train as train
+from ._memory import OutOfMemoryError as OutOfMemoryError
+from ._memory import largest_batch as largest_batch
+from ._memory import step_bytes as step_bytes

@@ -199,7 +199,9 @@ def _torch_split(samples, transform, seed, workers) -> Split:
     def stream(batches: Iterator[Sequence[int]], epoch: int):
         loader = tud.DataLoader(dataset, batch_sampler=[[(epoch, int(i)) for i in b] for b in batches],
                                 num_workers=workers, collate_fn=_collate,
-                                persistent_workers=False, prefetch_factor=4 if workers else None)
+                                prefetch_factor=4 if workers else None,
+                                # jax runs threads: fork could deadlock, so workers are spawned.
+                                multiprocessing_context="spawn" if workers else None)
         yield from loader
 
     return Split(len(samples), load, stream)
