@@ -159,3 +159,23 @@ def test_cli_reports_errors_on_one_line(tmp_path):
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "is not a directory" in out.stderr
+
+
+def test_batch_size_auto_from_memory_analysis():
+    from jaxport.models import build
+    from jaxport.train import OutOfMemoryError, create_state, largest_batch, make_mesh, make_train_step, step_bytes
+    from torch_compat import optim
+
+    mesh = make_mesh(jax.devices()[:2])
+    model = build("resnet18", num_classes=10)
+    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    tx = optim.sgd(0.1, momentum=0.9)
+    state = create_state(variables, tx, mesh)
+    step = make_train_step(model, tx, mesh, donate=False)
+    m4, m5 = step_bytes(step, state, mesh, 4, 16), step_bytes(step, state, mesh, 5, 16)
+    assert m5 > m4 > 0  # XLA's analysis grows with the batch
+    messages = []
+    assert largest_batch(step, state, mesh, 16, (m4 + m5) // 2, log=messages.append) == 4
+    assert "4 per device" in messages[0]
+    with pytest.raises(OutOfMemoryError, match="a batch of 1 per device needs"):
+        largest_batch(step, state, mesh, 16, 1000)
