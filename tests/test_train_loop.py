@@ -60,10 +60,10 @@ def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path):
 
 def test_train_digits_export_and_metrics(tmp_path):
     # One short epoch in-process (8 devices), then export to torchvision with strict=True.
-    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, progress=False, sync_bn=True)
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=128, epochs=1, progress=False, sync_bn=True, devices=2)
     result = train(cfg)
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    assert len(rows) == 1 and rows[0]["step"] == 1438 // 64
+    assert len(rows) == 1 and rows[0]["step"] == 1438 // 128
     assert {"train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr"} <= rows[0].keys()
     assert (tmp_path / "training_curves.png").stat().st_size > 1000
     assert result["val_acc"] == rows[0]["val_acc"]
@@ -87,7 +87,7 @@ def test_train_digits_export_and_metrics(tmp_path):
 
 def test_corrupt_checkpoint_on_resume(tmp_path):
     cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
-                      checkpoint_every=1, progress=False)
+                      checkpoint_every=1, progress=False, devices=1)
     train(cfg)
     latest = tmp_path / "checkpoints" / "2" / "state"
     for root, _, files in os.walk(latest):
@@ -133,7 +133,7 @@ def test_image_folder_trains_and_skips_unreadable(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = train(TrainConfig(workdir=str(tmp_path / "w"), data=str(root), image_size=16, batch_size=8,
-                                   epochs=1, workers=0, progress=False))
+                                   epochs=1, workers=0, progress=False, devices=1))
     assert 0 <= result["val_acc"] <= 1
 
 
@@ -166,16 +166,16 @@ def test_batch_size_auto_from_memory_analysis():
     from jaxport.train import OutOfMemoryError, create_state, largest_batch, make_mesh, make_train_step, step_bytes
     from torch_compat import optim
 
-    mesh = make_mesh(jax.devices()[:2])
+    mesh = make_mesh(jax.devices()[:1])
     model = build("resnet18", num_classes=10)
-    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    variables = model.init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))
     tx = optim.sgd(0.1, momentum=0.9)
     state = create_state(variables, tx, mesh)
     step = make_train_step(model, tx, mesh, donate=False)
-    m4, m5 = step_bytes(step, state, mesh, 4, 16), step_bytes(step, state, mesh, 5, 16)
+    m4, m5 = step_bytes(step, state, mesh, 4, 8), step_bytes(step, state, mesh, 5, 8)
     assert m5 > m4 > 0  # XLA's analysis grows with the batch
     messages = []
-    assert largest_batch(step, state, mesh, 16, (m4 + m5) // 2, log=messages.append) == 4
+    assert largest_batch(step, state, mesh, 8, (m4 + m5) // 2, log=messages.append) == 4
     assert "4 per device" in messages[0]
     with pytest.raises(OutOfMemoryError, match="a batch of 1 per device needs"):
-        largest_batch(step, state, mesh, 16, 1000)
+        largest_batch(step, state, mesh, 8, 1000)

@@ -97,7 +97,7 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
         raise ConfigError(f"`image_size` (={image_size}) must be >= 8 for the digits")
     d = load_digits()
     images = _resize_bilinear(d.images.astype(np.float32) / 16.0, image_size)
-    images = (np.repeat(images[..., None], 3, axis=-1) - MEAN) / STD
+    images = ((np.repeat(images[..., None], 3, axis=-1) - MEAN) / STD).astype(np.float32)
     labels = d.target.astype(np.int32)
     rng = np.random.default_rng(1234)
     val_idx = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[: int(round(val_fraction * np.sum(labels == c)))]

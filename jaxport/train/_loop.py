@@ -49,6 +49,7 @@ class TrainConfig:
     max_steps: int | None = None  # stop after this global step (tests, smoke runs)
     memory_limit_bytes: int | None = None  # for --batch-size auto; default: the device's
     progress: bool = True
+    devices: int | None = None  # single process: use only the first N local devices
     coordinator: str | None = None
     num_processes: int | None = None
     process_id: int | None = None
@@ -140,7 +141,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
     if data.skipped:
         say(f"warning: {data.skipped} unreadable image(s) skipped")
-    mesh = make_mesh()
+    mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     n_dev, n_proc = mesh.devices.size, jax.process_count()
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else None
@@ -250,7 +251,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
             bar.close()
         if stop < steps_per_epoch:  # max_steps reached mid-epoch
             meta["epoch_sums"] = sums.tolist()
-            _checkpoint.save(mngr, gstep, state, meta)
+            if mngr.latest_step() != gstep:
+                _checkpoint.save(mngr, gstep, state, meta)
             break
         row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
                "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),

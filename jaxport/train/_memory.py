@@ -56,14 +56,19 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
     per_example = max(m2 - m1, 1)
     b = int(min(max_per_device, 1 + (limit_bytes - m1) // per_example))
     b = b // 8 * 8 if b >= 16 else b
-    while b > 1:
-        need = step_bytes(step, state, mesh, b, image_size)
-        if need <= limit_bytes:
-            log(f"--batch-size auto: {b} per device ({need / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
-                "from XLA's memory analysis)")
-            return b
+    need = step_bytes(step, state, mesh, b, image_size) if b > 1 else m1
+    while b > 1 and need > limit_bytes:  # the prediction was optimistic: step down
         b = max(1, int(b * limit_bytes / need) // 8 * 8 if b > 16 else b - 1)
-    return 1
+        need = step_bytes(step, state, mesh, b, image_size) if b > 1 else m1
+    while b < max_per_device:  # memory is not exactly affine: confirm the next size does not fit
+        up = min(max_per_device, b + 1 if b < 16 else b + 8)
+        need_up = step_bytes(step, state, mesh, up, image_size)
+        if need_up > limit_bytes:
+            break
+        b, need = up, need_up
+    log(f"--batch-size auto: {b} per device ({need / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
+        "from XLA's memory analysis)")
+    return b
 
 
 def is_out_of_memory(err: BaseException) -> bool:
