@@ -269,6 +269,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     mngr.close()
+    if lead:  # topology-independent copy of the final weights (replicated: any shard is the value)
+        flat = {"/".join(str(k.key) for k in path): np.asarray(x.addressable_shards[0].data)
+                for path, x in jax.tree_util.tree_flatten_with_path(state.variables)[0]}
+        tmp = os.path.join(cfg.workdir, "variables.tmp.npz")
+        np.savez(tmp, **flat)
+        os.replace(tmp, os.path.join(cfg.workdir, "variables.npz"))
     result["state"] = state
     return result
 
