@@ -1,0 +1,124 @@
+"""ResNet-50 training-step throughput: jaxport (jit + shard_map, torch-equivalent SGD) vs torch.
+
+CPU (default): float32, torchvision + torch.optim.SGD eager in the same run, batch 16 at
+128 px and batch 32 at 224 px. GPU (`--gpu`): bfloat16 compute on one device against torch
+eager and torch.compile, channels_last, autocast bf16.
+
+    python benchmarks/bench_train.py                      # CPU figures
+    python benchmarks/bench_train.py --gpu --configs 256x224  # on a GPU machine
+
+Prints one line per configuration and writes JSON to --out if given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _parse():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", nargs="+", default=None, help="BATCHxSIZE, e.g. 16x128 32x224")
+    p.add_argument("--steps", type=int, default=3, help="timed steps (after warm-up)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--gpu", action="store_true", help="bf16 on the accelerator; torch eager + compiled")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (CPU)")
+    p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--out", default=None)
+    return p.parse_args()
+
+
+def bench_jax(batch, size, steps, warmup, bf16):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxport.models import build
+    from jaxport.train import create_state, make_mesh, make_train_step, shard_batch
+    from jaxport.train._optim import sgd
+
+    mesh = make_mesh(jax.devices()[:1])
+    model = build("resnet50", num_classes=1000, dtype=jnp.bfloat16 if bf16 else None)
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, size, size, 3)))
+    tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
+    state = create_state(variables, tx, mesh)
+    step = make_train_step(model, tx, mesh)
+    rng = np.random.default_rng(0)
+    x, y = shard_batch(mesh, rng.standard_normal((batch, size, size, 3)).astype(np.float32),
+                       rng.integers(0, 1000, batch).astype(np.int32))
+    t = time.perf_counter()
+    for _ in range(warmup):
+        state, m = step(state, x, y)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(steps):
+        state, m = step(state, x, y)
+    jax.block_until_ready((state, m))
+    return batch * steps / (time.perf_counter() - t), compile_s
+
+
+def bench_torch(batch, size, steps, warmup, gpu, compiled):
+    import torch
+    import torchvision
+
+    dev = "cuda" if gpu else "cpu"
+    model = torchvision.models.resnet50().to(dev).train()
+    if gpu:
+        model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    x = torch.randn(batch, 3, size, size, device=dev)
+    if gpu:
+        x = x.to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev, dtype=torch.bfloat16, enabled=gpu):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    fn = torch.compile(step) if compiled else step
+    for _ in range(warmup + (2 if compiled else 0)):
+        fn()
+    if gpu:
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    if gpu:
+        torch.cuda.synchronize()
+    return batch * steps / (time.perf_counter() - t)
+
+
+def main():
+    args = _parse()
+    configs = args.configs or (["256x224"] if args.gpu else ["16x128", "32x224"])
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for c in configs:
+        batch, size = map(int, c.split("x"))
+        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu)
+        row = {"batch": batch, "size": size, "jax_img_s": jax_ips, "jax_compile_s": compile_s}
+        if not args.skip_torch:
+            row["torch_eager_img_s"] = bench_torch(batch, size, args.steps, args.warmup, args.gpu, False)
+            if args.gpu:
+                row["torch_compiled_img_s"] = bench_torch(batch, size, args.steps, args.warmup, True, True)
+            row["speedup_vs_eager"] = jax_ips / row["torch_eager_img_s"]
+        rows.append(row)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Orbax checkpoints of a training run: atomic, the last few kept, exact resume.
+
+A checkpoint is `WORKDIR/checkpoints/<step>/` with two items: `state` (the whole TrainState:
+step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, seed, epoch
+accumulators). Orbax writes into a temporary directory and renames it when complete, so a
+run killed mid-save leaves no half-written step; unfinished temporaries are ignored.
+The data order and augmentation are functions of `(seed, epoch, index)`, so the step number
+and the seed are the whole RNG state.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from .._errors import CheckpointError
+
+
+def checkpoint_dir(workdir: str) -> str:
+    return os.path.join(os.path.abspath(workdir), "checkpoints")
+
+
+def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=("state", "meta"))
+
+
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
+    """Save `state` and `meta` at `step` (all processes call it; returns when written)."""
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+              force=True)
+    mngr.wait_until_finished()
+
+
+def _unreadable(path: str, step: int, err: Exception, steps: list[int]) -> CheckpointError:
+    older = [s for s in steps if s < step]
+    fix = (f"delete {os.path.join(path, str(step))} to resume from step {older[-1]}" if older
+           else "delete it and start again without --resume")
+    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: {first[:200]}); {fix}")
+
+
+def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None:
+    """The latest `(state, meta)`, laid out like `target` (arrays with shardings), or None.
+
+    Raises:
+      CheckpointError: the latest checkpoint exists but cannot be read (truncated or corrupt
+        files), naming the step directory and what to do.
+    """
+    steps = sorted(mngr.all_steps())
+    if not steps:
+        return None
+    step = steps[-1]
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    try:
+        out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                         meta=ocp.args.JsonRestore()))
+        return out["state"], dict(out["meta"])
+    except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
+        raise _unreadable(mngr.directory.as_posix() if hasattr(mngr.directory, "as_posix") else str(mngr.directory),
+                          step, e, steps) from None
+
+
+def load_workdir(workdir: str) -> tuple[dict, str]:
+    """`(variables, arch)` of the latest checkpoint in a `jaxport train` workdir, as numpy.
+
+    `variables` is `{"params", "batch_stats"}`, ready for `torch_compat.flax_to_torch(variables,
+    arch)` (what `jaxport export WORKDIR --out model.pt` does).
+
+    Raises:
+      CheckpointError: no checkpoint in `workdir`, or it cannot be read.
+    """
+    path = checkpoint_dir(workdir)
+    if not os.path.isdir(path):
+        raise CheckpointError(f"`workdir` (={workdir}) has no checkpoints/ directory; train into it with "
+                              "`jaxport train --workdir` first")
+    mngr = manager(workdir, max_to_keep=None)
+    steps = sorted(mngr.all_steps())
+    if not steps:
+        raise CheckpointError(f"`workdir` (={workdir}) holds no finished checkpoint")
+    try:
+        meta_tree = mngr.item_metadata(steps[-1])["state"]
+        shapes = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
+        cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), shapes,
+                                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+        out = mngr.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                              meta=ocp.args.JsonRestore()))
+        state, meta = out["state"], dict(out["meta"])
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _unreadable(path, steps[-1], e, steps) from None
+    variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
+    return jax.tree.map(np.asarray, variables), meta["arch"]

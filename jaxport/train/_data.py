@@ -1,0 +1,254 @@
+"""Training data: the embedded digits and torchvision ImageFolder directories.
+
+Every example's augmentation and every epoch's order depend only on `(seed, epoch, index)`,
+never on the device layout or on which process loads it, so runs on 1 or 8 devices (or 2
+processes) see the same global batches, and a resumed run sees the batches the killed one
+would have. A global step `s` of an epoch holds `order(epoch)[s * B:(s + 1) * B]`; process `p`
+of `P` loads rows `[p * B / P, (p + 1) * B / P)` of it.
+
+ImageFolder directories are loaded by torch's DataLoader with worker processes and
+torchvision's transforms (the ImageNet recipe); torch is imported inside this module only,
+where that loader is built.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+from .._errors import ConfigError
+
+MEAN = np.array((0.485, 0.456, 0.406), np.float32)
+STD = np.array((0.229, 0.224, 0.225), np.float32)
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+
+def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The permutation of `n` examples for `epoch`, a function of `(seed, epoch)` only."""
+    return np.random.default_rng([seed, epoch, 0x5EED]).permutation(n)
+
+
+def example_seed(seed: int, epoch: int, index: int) -> int:
+    """The augmentation seed of one example in one epoch."""
+    return int(np.random.default_rng([seed, epoch, index, 0xA06]).integers(2**31 - 1))
+
+
+@dataclasses.dataclass
+class Split:
+    """One split: `load(indices, epoch) -> (images NHWC float32, labels int32)`."""
+
+    num_examples: int
+    load: Callable[[Sequence[int], int], tuple[np.ndarray, np.ndarray]]
+    stream_fn: Callable | None = None
+
+    def stream(self, batches: Iterator[Sequence[int]], epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Loaded batches for the index lists in `batches` (loaded ahead by workers if any)."""
+        if self.stream_fn is not None:
+            return self.stream_fn(batches, epoch)
+        return (self.load(b, epoch) for b in batches)
+
+
+@dataclasses.dataclass
+class Data:
+    train: Split
+    val: Split
+    classes: list[str]
+    skipped: int = 0  # unreadable images left out, with a warning
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+# --------------------------------------------------------------------------------- digits
+
+
+def _resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
+    """Bilinear resize of (N, h, w) float images to (N, size, size), align_corners=False."""
+    n, h, w = images.shape
+
+    def grid(src, dst):
+        x = (np.arange(dst) + 0.5) * src / dst - 0.5
+        x0 = np.clip(np.floor(x).astype(int), 0, src - 1)
+        x1 = np.clip(x0 + 1, 0, src - 1)
+        t = np.clip(x - x0, 0, 1)
+        return x0, x1, t
+
+    y0, y1, ty = grid(h, size)
+    x0, x1, tx = grid(w, size)
+    rows = images[:, y0] * (1 - ty)[None, :, None] + images[:, y1] * ty[None, :, None]
+    return rows[:, :, x0] * (1 - tx) + rows[:, :, x1] * tx
+
+
+def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Data:
+    """scikit-learn's handwritten digits (1797 8x8 images, 10 classes) as RGB `image_size` px.
+
+    A stratified, fixed split (independent of `seed`) holds out `val_fraction`. Training
+    images are shifted by up to `image_size // 8` pixels (zero-padded), a function of
+    `(seed, epoch, index)`; no flips, which would change a digit. Normalised with ImageNet's
+    mean and std like every other input.
+    """
+    from sklearn.datasets import load_digits
+
+    if image_size < 8:
+        raise ConfigError(f"`image_size` (={image_size}) must be >= 8 for the digits")
+    d = load_digits()
+    images = _resize_bilinear(d.images.astype(np.float32) / 16.0, image_size)
+    images = ((np.repeat(images[..., None], 3, axis=-1) - MEAN) / STD).astype(np.float32)
+    labels = d.target.astype(np.int32)
+    rng = np.random.default_rng(1234)
+    val_idx = np.concatenate([rng.permutation(np.flatnonzero(labels == c))[: int(round(val_fraction * np.sum(labels == c)))]
+                              for c in range(10)])
+    is_val = np.zeros(len(labels), bool)
+    is_val[val_idx] = True
+    tr_x, tr_y, va_x, va_y = images[~is_val], labels[~is_val], images[is_val], labels[is_val]
+    pad = image_size // 8
+    fill = (0.0 - MEAN) / STD  # black, normalised
+
+    def load_train(indices, epoch):
+        out = np.empty((len(indices), image_size, image_size, 3), np.float32)
+        for j, i in enumerate(indices):
+            dy, dx = np.random.default_rng(example_seed(seed, epoch, int(i))).integers(-pad, pad + 1, 2)
+            canvas = np.broadcast_to(fill, (image_size + 2 * pad, image_size + 2 * pad, 3)).copy()
+            canvas[pad:pad + image_size, pad:pad + image_size] = tr_x[i]
+            out[j] = canvas[pad + dy:pad + dy + image_size, pad + dx:pad + dx + image_size]
+        return out, tr_y[np.asarray(indices, int)]
+
+    def load_val(indices, epoch):
+        idx = np.asarray(indices, int)
+        return va_x[idx], va_y[idx]
+
+    return Data(Split(len(tr_y), load_train), Split(len(va_y), load_val), [str(c) for c in range(10)])
+
+
+# ----------------------------------------------------------------------------- ImageFolder
+
+
+def _scan(root: str, name: str) -> tuple[list[str], list[tuple[str, int]], int]:
+    """Classes, readable (path, label) samples and the number of unreadable files of a folder."""
+    from PIL import Image
+
+    if not os.path.isdir(root):
+        raise ConfigError(f"`{name}` (={root}) is not a directory; pass an ImageFolder directory "
+                          "(one sub-folder of images per class)")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    samples, skipped = [], 0
+    for label, cls in enumerate(classes):
+        for dirpath, _, files in sorted(os.walk(os.path.join(root, cls), followlinks=True)):
+            for f in sorted(files):
+                if not f.lower().endswith(IMG_EXTENSIONS):
+                    continue
+                path = os.path.join(dirpath, f)
+                try:
+                    with Image.open(path) as im:
+                        im.verify()
+                except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
+                    warnings.warn(f"skipping unreadable image {path}: {e}", stacklevel=2)
+                    skipped += 1
+                    continue
+                samples.append((path, label))
+    if not samples:
+        raise ConfigError(f"`{name}` (={root}) holds no images: expected one sub-folder per class with "
+                          f"{', '.join(IMG_EXTENSIONS)} files in it")
+    used = sorted({label for _, label in samples})
+    if len(used) < 2:
+        raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r}); "
+                          "classification needs at least 2 class sub-folders with images")
+    return classes, samples, skipped
+
+
+class _Folder:
+    """A map-style dataset over `(path, label)`, keyed by `(epoch, index)` for reproducibility."""
+
+    def __init__(self, samples, transform, seed):
+        self.samples, self.transform, self.seed = samples, transform, seed
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, key):
+        import torch
+        from PIL import Image
+
+        epoch, index = key
+        path, label = self.samples[index]
+        with Image.open(path) as im:
+            img = im.convert("RGB")
+        # torchvision's random transforms draw from torch's global RNG: seeding it per example
+        # (inside the worker) makes the crop a function of (seed, epoch, index) alone.
+        torch.manual_seed(example_seed(self.seed, epoch, index))
+        return self.transform(img).permute(1, 2, 0).numpy(), label
+
+
+def _collate(items):
+    return np.stack([x for x, _ in items]).astype(np.float32), np.array([y for _, y in items], np.int32)
+
+
+def _torch_split(samples, transform, seed, workers) -> Split:
+    import torch.utils.data as tud
+
+    dataset = _Folder(samples, transform, seed)
+
+    def load(indices, epoch):
+        # A one-batch DataLoader per call would respawn workers; instead callers use `stream`.
+        return _collate([dataset[(epoch, int(i))] for i in indices])
+
+    def stream(batches: Iterator[Sequence[int]], epoch: int):
+        loader = tud.DataLoader(dataset, batch_sampler=[[(epoch, int(i)) for i in b] for b in batches],
+                                num_workers=workers, collate_fn=_collate,
+                                prefetch_factor=4 if workers else None,
+                                # jax runs threads: fork could deadlock, so workers are spawned.
+                                multiprocessing_context="spawn" if workers else None)
+        yield from loader
+
+    return Split(len(samples), load, stream)
+
+
+def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: float = 0.1,
+                 workers: int | None = None) -> Data:
+    """A torchvision ImageFolder directory with the ImageNet recipe.
+
+    Train: `RandomResizedCrop(image_size)`, `RandomHorizontalFlip()`; eval:
+    `Resize(round(image_size * 256 / 224))`, `CenterCrop(image_size)`; both then `ToTensor()`
+    and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. With `train/` and
+    `val/` sub-folders those are the splits; otherwise a fixed stratified `val_fraction` of
+    the images is held out. Unreadable images are skipped with a warning and counted.
+
+    Raises:
+      ConfigError: a missing or empty directory, or a single class.
+    """
+    from torchvision import transforms as T
+
+    norm = [T.ToTensor(), T.Normalize(MEAN.tolist(), STD.tolist())]
+    train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), *norm])
+    val_tf = T.Compose([T.Resize(round(image_size * 256 / 224)), T.CenterCrop(image_size), *norm])
+    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+
+    train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
+    if os.path.isdir(train_dir) and os.path.isdir(val_dir):
+        classes, train_samples, skipped = _scan(train_dir, "--data")
+        val_classes, val_samples, vskipped = _scan(val_dir, "--data")
+        if val_classes != classes:
+            raise ConfigError(f"`--data` (={root}): train/ and val/ have different class folders "
+                              f"({len(classes)} vs {len(val_classes)}); make them the same")
+        skipped += vskipped
+    else:
+        classes, samples, skipped = _scan(root, "--data")
+        labels = np.array([y for _, y in samples])
+        rng = np.random.default_rng(1234)
+        is_val = np.zeros(len(samples), bool)
+        for c in np.unique(labels):
+            idx = rng.permutation(np.flatnonzero(labels == c))
+            is_val[idx[: int(np.floor(val_fraction * len(idx)))]] = True
+        train_samples = [s for s, v in zip(samples, is_val) if not v]
+        val_samples = [s for s, v in zip(samples, is_val) if v]
+        if not val_samples:
+            raise ConfigError(f"`--data` (={root}) has too few images to hold out {val_fraction:.0%} "
+                              "for validation; add images or provide train/ and val/ sub-folders")
+    if skipped:
+        warnings.warn(f"{skipped} unreadable image(s) skipped in {root}", stacklevel=2)
+    return Data(_torch_split(train_samples, train_tf, seed, workers), _torch_split(val_samples, val_tf, seed, workers),
+                classes, skipped)

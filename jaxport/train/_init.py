@@ -1,0 +1,86 @@
+"""Starting weights for `--init`: anything torch_compat or jaxport can load."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+
+from .._errors import CheckpointError, ConfigError
+
+
+def _flat(tree, prefix=()):
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _flat(v, prefix + (k,))
+        else:
+            yield prefix + (k,), v
+
+
+def load_init(path: str, arch: str) -> dict:
+    """Flax variables from a `jaxport train` workdir, a jaxport variables file (.safetensors)
+    or a torch checkpoint (torch_compat's safe loader), as numpy.
+
+    Raises:
+      CheckpointError: the file is missing or unreadable, or holds another architecture.
+    """
+    if not os.path.exists(path):
+        raise CheckpointError(f"`--init` (={path}) does not exist")
+    if os.path.isdir(path):
+        from ._checkpoint import load_workdir
+
+        variables, found = load_workdir(path)
+    elif path.endswith(".safetensors"):
+        import jaxport
+
+        loader = getattr(jaxport, "load_variables", None)
+        if loader is None:
+            raise CheckpointError(f"`--init` (={path}): this jaxport has no load_variables yet")
+        variables = loader(path)
+        found = None
+    else:
+        # The torch side: loading a torch checkpoint needs torch, via torch_compat only.
+        import torch_compat
+
+        load = getattr(torch_compat, "load_state_dict", None)
+        if load is not None:
+            state_dict = load(path)
+        else:  # until the safe loader lands: weights-only torch.load
+            import torch
+
+            try:
+                state_dict = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"`--init` (={path}) cannot be read as a torch checkpoint: {e}") from None
+            state_dict = state_dict.get("state_dict", state_dict) if isinstance(state_dict, dict) else state_dict
+            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        found = torch_compat.detect_arch(state_dict)
+        if found != arch:
+            raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")
+        variables = torch_compat.torch_to_flax(state_dict, arch)
+    if found is not None and found != arch:
+        raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")
+    return jax.tree.map(np.asarray, variables)
+
+
+def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print) -> dict:
+    """`variables` with the classifier (`fc`) taken from `fresh` when its size differs;
+    every other tensor must match `fresh`'s shape.
+
+    Raises:
+      CheckpointError: any other tensor has another shape (a different architecture).
+    """
+    out = {"params": dict(variables["params"]), "batch_stats": variables.get("batch_stats", {})}
+    old, new = np.shape(out["params"]["fc"]["kernel"]), np.shape(fresh["params"]["fc"]["kernel"])
+    if old != new:
+        log(f"--init: classifier head has {old[1]} classes, the data {new[1]}: re-initialising fc "
+            f"({old[1]} -> {new[1]} outputs)")
+        out["params"]["fc"] = fresh["params"]["fc"]
+    want = dict(_flat(fresh))
+    got = dict(_flat(out))
+    bad = [("/".join(k), np.shape(got.get(k)), np.shape(v)) for k, v in want.items()
+           if k not in got or np.shape(got[k]) != np.shape(v)]
+    if bad:
+        raise CheckpointError(f"--init weights do not fit the model: {bad[:5]}")
+    return jax.tree.map(lambda a, f: np.asarray(a).astype(np.asarray(f).dtype), out, fresh)

@@ -1,0 +1,293 @@
+"""The training loop behind `jaxport train`: data, model, steps, checkpoints, metrics, plot."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._errors import ConfigError
+from ..models import ARCHS, build
+from . import _checkpoint, _data, _distributed, _memory
+from ._init import fit_head, load_init
+from ._optim import cosine_annealing_lr, per_epoch, sgd
+from ._step import check_batch_size, create_state, make_eval_step, make_mesh, make_train_step, shard_batch
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """Everything a run depends on; `jaxport train`'s flags map one to one.
+
+    The learning rate follows torch's `CosineAnnealingLR(T_max=epochs)` stepped per epoch;
+    the optimizer is torch's SGD (`torch_compat.optim.sgd`) with `momentum` and `weight_decay`.
+    """
+
+    workdir: str
+    data: str | None = None  # None: the embedded scikit-learn digits
+    arch: str = "resnet18"
+    epochs: int = 6
+    batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
+    image_size: int = 32
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    seed: int = 0
+    sync_bn: bool = False
+    init: str | None = None
+    resume: bool = False
+    dtype: str = "float32"
+    checkpoint_every: int = 500  # steps; also at each epoch end
+    keep_checkpoints: int = 3
+    workers: int | None = None
+    max_steps: int | None = None  # stop after this global step (tests, smoke runs)
+    memory_limit_bytes: int | None = None  # for --batch-size auto; default: the device's
+    progress: bool = True
+    devices: int | None = None  # single process: use only the first N local devices
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def _validate(cfg: TrainConfig) -> None:
+    if cfg.arch not in ARCHS:
+        raise ConfigError(f"`--arch` (={cfg.arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    for name in ("epochs", "image_size"):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)}) must be >= 1")
+    if cfg.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"`--dtype` (={cfg.dtype!r}) must be float32 or bfloat16")
+    if cfg.lr <= 0:
+        raise ConfigError(f"`--lr` (={cfg.lr}) must be > 0")
+    if cfg.batch_size != "auto" and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
+        raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
+    if cfg.data is not None and not os.path.isdir(cfg.data):
+        raise ConfigError(f"`--data` (={cfg.data}) is not a directory; pass an ImageFolder directory "
+                          "(one sub-folder per class) or leave --data out to train on the embedded digits")
+
+
+def _batches(order: np.ndarray, start: int, stop: int, batch: int, process: int, processes: int):
+    share = batch // processes
+    for s in range(start, stop):
+        rows = order[s * batch:(s + 1) * batch]
+        yield rows[process * share:(process + 1) * share]
+
+
+def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict:
+    p, n_proc = jax.process_index(), jax.process_count()
+    share = batch // n_proc
+    totals = np.zeros(3)
+    n = split.num_examples
+    chunks = [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)]
+    # Pad every chunk to the global batch; padded rows repeat example 0 and are masked out.
+    padded = [np.concatenate([c, np.zeros(batch - len(c), int)]) for c in chunks]
+    masks = [np.arange(batch) < len(c) for c in chunks]
+    local = [pc[p * share:(p + 1) * share] for pc in padded]
+    for (x, y), m in zip(split.stream(iter(local), 0), masks):
+        out = evaluate(variables, *shard_batch(mesh, x, y, m[p * share:(p + 1) * share].astype(np.float32)))
+        totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
+    return {"val_loss": totals[0] / totals[2], "val_acc": totals[1] / totals[2]}
+
+
+def plot_metrics(metrics_path: str, out_path: str) -> None:
+    """A PNG of train/val loss and accuracy per epoch from `metrics.jsonl`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in open(metrics_path)]
+    ep = [r["epoch"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
+    a.plot(ep, [r["val_loss"] for r in rows], "o-", label="val")
+    a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
+    b.plot(ep, [r["train_acc"] for r in rows], "o-", label="train")
+    b.plot(ep, [r["val_acc"] for r in rows], "o-", label="val")
+    b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.legend(), b.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = out_path + ".tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, out_path)
+
+
+def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
+    """Train `cfg.arch` data-parallel over every device; returns the last epoch's metrics.
+
+    Writes `WORKDIR/checkpoints/<step>` (orbax), `WORKDIR/metrics.jsonl` (one JSON object per
+    epoch) and `WORKDIR/training_curves.png`. With `resume`, continues from the latest
+    checkpoint exactly: same step, optimizer state and data order.
+
+    Raises:
+      ConfigError: invalid settings (a batch that does not divide the devices, a workdir that
+        already holds a run without `resume`, bad data directories, ...).
+      CheckpointError: a checkpoint to resume from or an `init` file cannot be read.
+      OutOfMemoryError: the step does not fit in device memory (names a batch that fits).
+    """
+    _validate(cfg)
+    _distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    lead = jax.process_index() == 0
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    say = log if lead else (lambda msg: None)
+
+    data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
+            else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
+    if data.skipped:
+        say(f"warning: {data.skipped} unreadable image(s) skipped")
+    mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
+    n_dev, n_proc = mesh.devices.size, jax.process_count()
+
+    dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else None
+    model = build(cfg.arch, num_classes=data.num_classes, bn_axis_name="data" if cfg.sync_bn else None, dtype=dtype)
+    fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
+    fresh = jax.tree.map(np.asarray, fresh)
+    variables = fit_head(load_init(cfg.init, cfg.arch), fresh, say) if cfg.init else fresh
+
+    per_device_batch = None
+    if cfg.batch_size == "auto":
+        steps_per_epoch = 1  # provisional: the schedule's shape does not change memory
+    else:
+        check_batch_size(cfg.batch_size, n_dev, "--batch-size")
+        steps_per_epoch = data.train.num_examples // cfg.batch_size
+    tx_for = lambda spe: sgd(per_epoch(cosine_annealing_lr(cfg.lr, cfg.epochs), max(spe, 1)),  # noqa: E731
+                            momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.batch_size == "auto":
+        tx = tx_for(1)
+        state = create_state(variables, tx, mesh)
+        step = make_train_step(model, tx, mesh, donate=False)
+        limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
+        cap = max(1, data.train.num_examples // n_dev)
+        per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
+                                                 max_per_device=min(256, cap), log=say)
+        batch = per_device_batch * n_dev
+        steps_per_epoch = data.train.num_examples // batch
+    else:
+        batch = cfg.batch_size
+    if steps_per_epoch < 1:
+        raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({data.train.num_examples} "
+                          f"images); use at most {data.train.num_examples // n_dev * n_dev}")
+    tx = tx_for(steps_per_epoch)
+    state = create_state(variables, tx, mesh)
+    step_fn = make_train_step(model, tx, mesh)
+    evaluate = make_eval_step(model, mesh)
+
+    os.makedirs(cfg.workdir, exist_ok=True)
+    mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
+    meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
+            "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0]}
+    metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
+    if mngr.all_steps() and not cfg.resume:
+        raise ConfigError(f"`--workdir` (={cfg.workdir}) already holds checkpoints (latest step "
+                          f"{mngr.latest_step()}); pass --resume to continue it, or choose an empty directory")
+    if cfg.resume and mngr.all_steps():
+        state, saved = _checkpoint.restore(mngr, state)
+        for key in ("arch", "seed", "batch_size", "image_size"):
+            if saved.get(key) != meta[key]:
+                raise ConfigError(f"--resume: `{key}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}); "
+                                  f"use {saved.get(key)} to continue that run")
+        meta["epoch_sums"] = saved["epoch_sums"]
+        say(f"resuming from step {int(state.step)}")
+    elif cfg.resume:
+        say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
+    start = int(state.step)
+    if lead and os.path.exists(metrics_path):  # drop epochs the resumed run will redo
+        done = start // steps_per_epoch
+        rows = [r for r in (json.loads(x) for x in open(metrics_path)) if r["epoch"] < done]
+        with open(metrics_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+        os.replace(metrics_path + ".tmp", metrics_path)
+
+    last_step = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, steps_per_epoch * cfg.epochs)
+    say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
+        f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
+        f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm "
+        f"{'synchronised' if cfg.sync_bn else 'per device'}")
+    result: dict = {}
+    gstep = start
+    while gstep < last_step:
+        epoch, offset = divmod(gstep, steps_per_epoch)
+        stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
+        order = _data.epoch_order(cfg.seed, epoch, data.train.num_examples)
+        sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
+        pending = []
+        bar = None
+        if lead and cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                       unit="step", dynamic_ncols=True, file=sys.stderr)
+        t0, seen = time.perf_counter(), 0
+        loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
+        for s, (x, y) in enumerate(loader, start=offset):
+            try:
+                state, m = step_fn(state, *shard_batch(mesh, x, y))
+            except Exception as e:  # noqa: BLE001
+                if _memory.is_out_of_memory(e):
+                    raise _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) from None
+                raise
+            pending.append(m)
+            gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
+            if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop:
+                got = jax.device_get(pending)
+                sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
+                pending = []
+                if bar is not None:
+                    rate = seen / (time.perf_counter() - t0)
+                    bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{sums[1] / sums[2]:.3f}", img_s=f"{rate:.0f}")
+            if bar is not None:
+                bar.update(1)
+            if gstep % cfg.checkpoint_every == 0 and s + 1 != steps_per_epoch:
+                meta["epoch_sums"] = sums.tolist()
+                _checkpoint.save(mngr, gstep, state, meta)
+        elapsed = time.perf_counter() - t0
+        if bar is not None:
+            bar.close()
+        if stop < steps_per_epoch:  # max_steps reached mid-epoch
+            meta["epoch_sums"] = sums.tolist()
+            if mngr.latest_step() != gstep:
+                _checkpoint.save(mngr, gstep, state, meta)
+            break
+        row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
+               "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
+               "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
+        row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
+        meta["epoch_sums"] = [0.0, 0.0, 0.0]
+        _checkpoint.save(mngr, gstep, state, meta)
+        if lead:
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+                f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+        result = row
+    if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
+        plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
+    mngr.close()
+    if lead:  # topology-independent copy of the final weights (replicated: any shard is the value)
+        flat = {"/".join(str(k.key) for k in path): np.asarray(x.addressable_shards[0].data)
+                for path, x in jax.tree_util.tree_flatten_with_path(state.variables)[0]}
+        tmp = os.path.join(cfg.workdir, "variables.tmp.npz")
+        np.savez(tmp, **flat)
+        os.replace(tmp, os.path.join(cfg.workdir, "variables.npz"))
+    result["state"] = state
+    return result
+
+
+def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMemoryError:
+    """The out-of-memory message with a per-device batch XLA predicts to fit."""
+    try:
+        limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
+        state = create_state(variables, tx, mesh)
+        fits = _memory.largest_batch(make_train_step(model, tx, mesh, donate=False), state, mesh, cfg.image_size,
+                                     limit, max_per_device=max(1, batch // n_dev - 1), log=lambda m: None)
+        hint = f"use --batch-size {fits * n_dev} ({fits} per device), which XLA's memory analysis predicts fits"
+    except Exception:  # noqa: BLE001 - the hint is best effort
+        hint = "use a smaller --batch-size or --batch-size auto"
+    return _memory.OutOfMemoryError(
+        f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {batch // n_dev} per device); {hint}")

@@ -1,0 +1,75 @@
+"""Batch size from XLA's compiled memory analysis, before anything runs."""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._errors import JaxportError
+from ._step import AXIS
+
+
+class OutOfMemoryError(JaxportError):
+    """The device ran out of memory; the message names a batch size that fits."""
+
+
+def device_memory_bytes() -> int:
+    """Memory one device may use: the allocator's limit on accelerators; on CPU, physical
+    memory shared by the local devices (80%, leaving room for the host side)."""
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.8 * total / jax.local_device_count())
+
+
+def step_bytes(step: Callable, state, mesh, per_device_batch: int, image_size: int, dtype=np.float32) -> int:
+    """Peak bytes per device of one compiled training step, from XLA's memory analysis."""
+    n = mesh.devices.size * per_device_batch
+    sharding = NamedSharding(mesh, P(AXIS))
+    x = jax.ShapeDtypeStruct((n, image_size, image_size, 3), dtype, sharding=sharding)
+    y = jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding)
+    ma = step.lower(state, x, y).compile().memory_analysis()
+    return int(ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
+
+
+def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int, max_per_device: int = 256,
+                  log: Callable[[str], None] = print) -> int:
+    """The largest per-device batch whose step fits in `limit_bytes`.
+
+    Predicts from two compilations (batch 1 and 2: memory is affine in the batch), then
+    confirms the prediction by compiling it, stepping down until XLA's analysis fits.
+
+    Raises:
+      OutOfMemoryError: not even a batch of 1 per device fits.
+    """
+    m1 = step_bytes(step, state, mesh, 1, image_size)
+    if m1 > limit_bytes:
+        raise OutOfMemoryError(f"a batch of 1 per device needs {m1 / 2**20:.0f} MiB, more than the "
+                               f"{limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model")
+    m2 = step_bytes(step, state, mesh, 2, image_size)
+    per_example = max(m2 - m1, 1)
+    b = int(min(max_per_device, 1 + (limit_bytes - m1) // per_example))
+    b = b // 8 * 8 if b >= 16 else b
+    need = step_bytes(step, state, mesh, b, image_size) if b > 1 else m1
+    while b > 1 and need > limit_bytes:  # the prediction was optimistic: step down
+        b = max(1, int(b * limit_bytes / need) // 8 * 8 if b > 16 else b - 1)
+        need = step_bytes(step, state, mesh, b, image_size) if b > 1 else m1
+    while b < max_per_device:  # memory is not exactly affine: confirm the next size does not fit
+        up = min(max_per_device, b + 1 if b < 16 else b + 8)
+        need_up = step_bytes(step, state, mesh, up, image_size)
+        if need_up > limit_bytes:
+            break
+        b, need = up, need_up
+    log(f"--batch-size auto: {b} per device ({need / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
+        "from XLA's memory analysis)")
+    return b
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err)

@@ -1,0 +1,231 @@
+"""Optax transformations and learning-rate schedules equal to torch.optim's.
+
+Pure optax (no torch import), so the JAX training loop can use them; `torch_compat.optim`
+re-exports them under the names torch users look for.
+
+Update equations (torch.optim, `maximize=False`, one param group):
+
+* SGD: `g = grad + wd * p`; `buf = g` on the first step, else `buf = momentum * buf +
+  (1 - dampening) * g`; `g = g + momentum * buf` if nesterov else `buf`; `p -= lr * g`.
+* AdamW: `p *= 1 - lr * wd`; `m = b1 m + (1 - b1) g`; `v = b2 v + (1 - b2) g^2`;
+  `p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`.
+
+Schedules reproduce torch's `lr_scheduler` values exactly, including the recursive
+(multiplicative) formulas torch uses, by running the same recursion in Python floats once and
+looking the result up by step.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from .._errors import ConfigError
+
+Schedule = Callable[[jax.Array], jax.Array]
+ScalarOrSchedule = float | Schedule
+
+
+class _TorchMomentumState(NamedTuple):
+    count: jax.Array
+    trace: optax.Updates
+
+
+def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.GradientTransformation:
+    """torch's momentum buffer with dampening: `buf = g` on step 1, then `m buf + (1 - d) g`."""
+
+    def init(params):
+        return _TorchMomentumState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
+
+    def update(updates, state, params=None):
+        del params
+        first = state.count == 0
+        trace = jax.tree.map(
+            lambda g, b: jnp.where(first, g, momentum * b + (1 - dampening) * g).astype(b.dtype),
+            updates, state.trace,
+        )
+        out = jax.tree.map(lambda g, b: g + momentum * b, updates, trace) if nesterov else trace
+        return out, _TorchMomentumState(optax.safe_int32_increment(state.count), trace)
+
+    return optax.GradientTransformation(init, update)
+
+
+def sgd(
+    learning_rate: ScalarOrSchedule,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+) -> optax.GradientTransformation:
+    """`torch.optim.SGD` as an optax transformation, update for update.
+
+    Weight decay applies to every parameter (torch's default, BatchNorm and biases included).
+    With `dampening == 0` this is optax's own chain (`add_decayed_weights`, `trace`, scale):
+    `optax.trace` starts from zeros, so its first buffer is `g`, as torch's. With dampening,
+    torch's first buffer is `g` but later ones add `(1 - dampening) g`; a small transformation
+    does that.
+
+    Args:
+      learning_rate: a float or an optax schedule (step -> lr), e.g. `step_lr(...)`.
+      momentum, dampening, weight_decay, nesterov: as torch.optim.SGD.
+
+    Raises:
+      ConfigError: for the combinations torch refuses (nesterov without momentum or with
+        dampening, negative values).
+
+    Example:
+      >>> tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
+    """
+    for name, value in (("learning_rate", learning_rate), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if not callable(value) and value < 0:
+            raise ConfigError(f"`{name}` (={value}) must be >= 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ConfigError(
+            f"nesterov momentum needs `momentum` > 0 and `dampening` == 0 (got momentum={momentum}, "
+            f"dampening={dampening}), as torch.optim.SGD; set nesterov=False or fix them"
+        )
+    parts = []
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    if momentum:
+        if dampening == 0:
+            parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+        else:
+            parts.append(_torch_momentum(momentum, dampening, nesterov))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    return optax.chain(*parts)
+
+
+def adamw(
+    learning_rate: ScalarOrSchedule = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    amsgrad: bool = False,
+) -> optax.GradientTransformation:
+    """`torch.optim.AdamW` (torch's defaults) as an optax transformation.
+
+    optax's `scale_by_adam` is torch's Adam step (bias-corrected moments, `eps` added after the
+    square root); decoupled decay `p -= lr * wd * p` equals torch's `p *= 1 - lr * wd` followed
+    by the Adam step, since both use the parameter before the step. Every parameter is decayed,
+    as torch does by default.
+
+    Raises:
+      ConfigError: `amsgrad=True` (not reproduced) or out-of-range betas.
+    """
+    if amsgrad:
+        raise ConfigError("`amsgrad` (=True) is not supported; use amsgrad=False")
+    b1, b2 = betas
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"`betas` (={betas}) must both be in [0, 1)")
+    return optax.chain(
+        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        optax.add_decayed_weights(weight_decay),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules. Each returns an optax schedule `count -> lr`, where count is the number of times
+# torch's `scheduler.step()` has been called (epochs when stepped per epoch; wrap with
+# `per_epoch` to drive it from the optimizer's step count). Values past `horizon` hold the last.
+
+
+def _table(values: Sequence[float]) -> Schedule:
+    table = np.asarray(values, np.float64)
+
+    def schedule(count):
+        idx = jnp.clip(jnp.asarray(count), 0, len(table) - 1)
+        return jnp.asarray(table, dtype=jnp.result_type(float))[idx]
+
+    schedule.table = table  # the exact Python-float values, for inspection and tests
+    return schedule
+
+
+def _check_horizon(horizon: int) -> None:
+    if horizon < 1:
+        raise ConfigError(f"`horizon` (={horizon}) must be >= 1")
+
+
+def step_lr(base_lr: float, step_size: int, gamma: float = 0.1, *, horizon: int = 10_000) -> Schedule:
+    """torch's `StepLR(step_size, gamma)`: `lr *= gamma` every `step_size` steps."""
+    if step_size < 1:
+        raise ConfigError(f"`step_size` (={step_size}) must be >= 1")
+    _check_horizon(horizon)
+    lrs, lr = [], base_lr
+    for t in range(horizon):
+        if t > 0 and t % step_size == 0:
+            lr = lr * gamma
+        lrs.append(lr)
+    return _table(lrs)
+
+
+def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1, *, horizon: int = 10_000) -> Schedule:
+    """torch's `MultiStepLR(milestones, gamma)`: `lr *= gamma ** k` at a milestone listed k times."""
+    _check_horizon(horizon)
+    counts: dict[int, int] = {}
+    for m in milestones:
+        counts[int(m)] = counts.get(int(m), 0) + 1
+    lrs, lr = [], base_lr
+    for t in range(horizon):
+        if t in counts:
+            lr = lr * gamma ** counts[t]
+        lrs.append(lr)
+    return _table(lrs)
+
+
+def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0, *, horizon: int = 10_000) -> Schedule:
+    """torch's `CosineAnnealingLR(T_max, eta_min)` with its recursive update, value for value.
+
+    torch does not evaluate `eta_min + (base - eta_min) (1 + cos(pi t / T_max)) / 2` but a
+    recursion on the previous lr (and a special rise at `t - 1 - T_max = 0 mod 2 T_max`); the
+    two differ in the last bits and past `T_max`. This runs torch's recursion.
+    """
+    if t_max < 1:
+        raise ConfigError(f"`t_max` (={t_max}) must be >= 1")
+    _check_horizon(horizon)
+    lrs, lr = [], base_lr
+    for t in range(horizon):
+        if t == 0:
+            lr = base_lr
+        elif (t - 1 - t_max) % (2 * t_max) == 0:
+            lr = lr + (base_lr - eta_min) * (1 - math.cos(math.pi / t_max)) / 2
+        else:
+            lr = (1 + math.cos(math.pi * t / t_max)) / (1 + math.cos(math.pi * (t - 1) / t_max)) * (lr - eta_min) + eta_min
+        lrs.append(lr)
+    return _table(lrs)
+
+
+def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
+                  *, horizon: int = 10_000) -> Schedule:
+    """torch's `LinearLR(start_factor, end_factor, total_iters)`: linear warm-up, recursively.
+
+    Combine with a decay the way torch's `SequentialLR` does, with
+    `optax.join_schedules([linear_warmup(...), cosine_annealing_lr(...)], [total_iters])`.
+    """
+    if not (0 < start_factor <= 1 and 0 <= end_factor <= 1):
+        raise ConfigError(f"`start_factor` (={start_factor}) must be in (0, 1] and `end_factor` (={end_factor}) in [0, 1]")
+    if total_iters < 1:
+        raise ConfigError(f"`total_iters` (={total_iters}) must be >= 1")
+    _check_horizon(horizon)
+    lrs, lr = [], base_lr
+    for t in range(horizon):
+        if t == 0:
+            lr = base_lr * start_factor
+        elif t <= total_iters:
+            d = end_factor - start_factor
+            lr = lr * (1.0 + d / (total_iters * start_factor + (t - 1) * d))
+        lrs.append(lr)
+    return _table(lrs)
+
+
+def per_epoch(schedule: Schedule, steps_per_epoch: int) -> Schedule:
+    """Drive a per-epoch schedule from the optimizer's step count (torch users' `sched.step()`
+    after each epoch): `lr(step) = schedule(step // steps_per_epoch)`."""
+    if steps_per_epoch < 1:
+        raise ConfigError(f"`steps_per_epoch` (={steps_per_epoch}) must be >= 1")
+    return lambda count: schedule(jnp.asarray(count) // steps_per_epoch)

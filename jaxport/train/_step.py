@@ -1,0 +1,174 @@
+"""One data-parallel training step: `jax.jit` + `jax.shard_map` over a 1-D `data` mesh.
+
+Semantics (torch's DistributedDataParallel / DataParallel, one replica per device):
+
+* parameters and optimizer state are replicated; the global batch is split along axis 0;
+* the loss is the mean cross-entropy over the *global* batch: each device takes the mean over
+  its share, and the gradients are averaged with `pmean("data")` (equal shares, so the mean
+  of means is the global mean);
+* BatchNorm uses per-device batch statistics (DDP without SyncBatchNorm) unless the model was
+  built with `bn_axis_name="data"` (SyncBatchNorm: statistics averaged over the mesh, so the
+  result does not depend on the number of devices);
+* per-device running statistics are averaged with `pmean` after each step, so every device
+  holds the same ones. (DDP instead broadcasts rank 0's buffers; averaging uses every device's
+  data and keeps the replicas identical all the same.) `num_batches_tracked` is the same on
+  every device and is left as is.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .._errors import ConfigError
+
+AXIS = "data"
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a step reads and writes; a pytree, checkpointed as a whole."""
+
+    step: jax.Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+
+    @property
+    def variables(self) -> dict:
+        return {"params": self.params, "batch_stats": self.batch_stats}
+
+
+def make_mesh(devices: list | None = None) -> Mesh:
+    """A 1-D mesh named `data` over `devices` (default: every device of every process)."""
+    if devices is None:
+        return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(AxisType.Auto,))
+    return Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def check_batch_size(batch_size: int, num_devices: int, name: str = "batch_size") -> None:
+    """Refuse a global batch that does not split evenly over the devices, naming valid sizes.
+
+    Raises:
+      ConfigError: e.g. "`batch_size` (=30) must be divisible by the number of devices (=8);
+        use 32 or 24".
+    """
+    if batch_size < 1:
+        raise ConfigError(f"`{name}` (={batch_size}) must be >= 1")
+    if batch_size % num_devices:
+        down, up = batch_size // num_devices * num_devices, (batch_size // num_devices + 1) * num_devices
+        fix = f"use {up} or {down}" if down else f"use {up}"
+        raise ConfigError(
+            f"`{name}` (={batch_size}) must be divisible by the number of devices (={num_devices}); {fix}"
+        )
+
+
+def replicate(tree: Any, mesh: Mesh) -> Any:
+    """Put host arrays on every device of `mesh` (works across processes: each holds the value)."""
+    sharding = NamedSharding(mesh, P())
+
+    def put(x):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+    return jax.tree.map(put, tree)
+
+
+def shard_batch(mesh: Mesh, *local: np.ndarray) -> tuple[jax.Array, ...]:
+    """Global arrays split along axis 0 from this process's share of the batch.
+
+    With one process `local` is the whole batch; with several, each process passes its
+    consecutive slice (process `i` holds rows `[i * n, (i + 1) * n)`).
+    """
+    sharding = NamedSharding(mesh, P(AXIS))
+    return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(x)) for x in local)
+
+
+def create_state(variables: dict, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
+    """A replicated TrainState at step 0 from Flax variables `{"params", "batch_stats"}`."""
+    params = jax.tree.map(np.asarray, variables["params"])
+    batch_stats = jax.tree.map(np.asarray, variables.get("batch_stats", {}))
+    opt_state = jax.jit(tx.init)(params)
+    state = TrainState(step=np.zeros((), np.int32), params=params, batch_stats=batch_stats,
+                       opt_state=jax.tree.map(np.asarray, opt_state))
+    return replicate(state, mesh)
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Per-example `torch.nn.functional.cross_entropy(..., reduction="none")`, in >= float32."""
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels)
+
+
+def _average_running_stats(batch_stats):
+    def avg(path, x):
+        if path[-1].key == "num_batches_tracked":
+            return x
+        return jax.lax.pmean(x, AXIS)
+
+    return jax.tree_util.tree_map_with_path(avg, batch_stats)
+
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
+                    donate: bool = True) -> Callable:
+    """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
+
+    `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
+    global batch must divide the device count. `metrics` holds the global mean `loss` and the
+    number of `correct` predictions, replicated. Whether BatchNorm is synchronised is the
+    model's `bn_axis_name` (`"data"` for SyncBatchNorm, None for per-device statistics).
+    """
+    if model.bn_axis_name not in (None, AXIS):
+        raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
+
+    def local_step(state: TrainState, images, labels):
+        def loss_fn(params):
+            logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, images,
+                                          train=True, mutable=["batch_stats"])
+            loss = jnp.mean(cross_entropy(logits, labels))
+            return loss, (updates["batch_stats"], logits)
+
+        (loss, (batch_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads = jax.lax.pmean(grads, AXIS)
+        if model.bn_axis_name is None:
+            batch_stats = _average_running_stats(batch_stats)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {
+            "loss": jax.lax.pmean(loss, AXIS),
+            "correct": jax.lax.psum(jnp.sum(jnp.argmax(logits, -1) == labels), AXIS),
+        }
+        new = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state)
+        return new, metrics
+
+    sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(P(), P()),
+                            check_vma=False)
+    return jax.jit(sharded, donate_argnums=(0,) if donate else ())
+
+
+def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
+    """`evaluate(variables, images, labels, mask) -> {"loss_sum", "correct", "count"}` (eval mode).
+
+    `mask` (1 for real examples, 0 for padding) lets the last, partial batch be padded to a
+    multiple of the device count.
+    """
+
+    def local(variables, images, labels, mask):
+        logits = model.apply(variables, images, train=False)
+        loss = cross_entropy(logits, labels)
+        hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+        return {
+            "loss_sum": jax.lax.psum(jnp.sum(loss * mask), AXIS),
+            "correct": jax.lax.psum(jnp.sum(hit * mask), AXIS),
+            "count": jax.lax.psum(jnp.sum(mask), AXIS),
+        }
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P(),
+                                 check_vma=False))

@@ -1,0 +1,181 @@
+"""`jaxport train` end to end at toy sizes: resume after SIGKILL, export, bad inputs, batch auto.
+
+Subprocess runs use 2 simulated CPU devices and ResNet-18 at 16 px so each takes seconds.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torchvision
+from PIL import Image
+
+from jaxport._errors import CheckpointError, ConfigError
+from jaxport.train import TrainConfig, load_workdir, train
+from jaxport.train import _data
+from torch_compat import flax_to_torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOY = ["--arch", "resnet18", "--image-size", "16", "--batch-size", "32", "--epochs", "2", "--lr", "0.05",
+       "--checkpoint-every", "4", "--no-progress"]
+
+
+def _cli(workdir, *extra, devices=2):
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=ROOT)
+    return [sys.executable, "-m", "jaxport.train", "--workdir", str(workdir), *TOY, *extra], env
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path):
+    # 1438 digits / 32 = 44 steps per epoch; stop at step 14 (not at a checkpoint or epoch end).
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    cmd, env = _cli(full, "--max-steps", "14")
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+
+    cmd, env = _cli(killed, "--max-steps", "14")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "8").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)  # just after step 8's checkpoint, mid-way to 12
+    proc.wait()
+    steps = sorted(int(p.name) for p in (killed / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps and steps[-1] < 14, steps
+    out = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "resuming from step" in out.stderr
+
+    a, _ = load_workdir(str(full))
+    b, arch = load_workdir(str(killed))
+    assert arch == "resnet18"
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_train_digits_export_and_metrics(tmp_path):
+    # One short epoch in-process (8 devices), then export to torchvision with strict=True.
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=128, epochs=1, progress=False, sync_bn=True, devices=2)
+    result = train(cfg)
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert len(rows) == 1 and rows[0]["step"] == 1438 // 128
+    assert {"train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr"} <= rows[0].keys()
+    assert (tmp_path / "training_curves.png").stat().st_size > 1000
+    assert result["val_acc"] == rows[0]["val_acc"]
+
+    variables, arch = load_workdir(str(tmp_path))
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(flax_to_torch(variables, arch), strict=True)
+    # torch and JAX agree on predictions for the exported weights
+    x = _data.digits(16).val.load(range(32), 0)[0]
+    from jaxport.models import build
+
+    jax_logits = build(arch, num_classes=10).apply(variables, x)
+    with torch.no_grad():
+        torch_logits = model.eval()(torch.tensor(x.transpose(0, 3, 1, 2))).numpy()
+    np.testing.assert_allclose(jax_logits, torch_logits, rtol=1e-4, atol=1e-4)
+
+    # the same workdir without --resume is refused
+    with pytest.raises(ConfigError, match="already holds checkpoints.*--resume"):
+        train(cfg)
+
+
+def test_corrupt_checkpoint_on_resume(tmp_path):
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
+                      checkpoint_every=1, progress=False, devices=1)
+    train(cfg)
+    latest = tmp_path / "checkpoints" / "2" / "state"
+    for root, _, files in os.walk(latest):
+        for f in files:
+            with open(os.path.join(root, f), "r+b") as fh:
+                fh.truncate(max(0, os.path.getsize(os.path.join(root, f)) // 3))
+    with pytest.raises(CheckpointError, match=r"checkpoint step 2 .* cannot be read .*delete .*2 to resume from step 1"):
+        train(TrainConfig(**{**cfg.__dict__, "resume": True}))
+
+
+def _image_folder(root, classes=("a", "b"), per_class=6, corrupt=0):
+    rng = np.random.default_rng(0)
+    for c in classes:
+        os.makedirs(root / c, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 255, (20, 24, 3), dtype=np.uint8)).save(root / c / f"{i}.png")
+    for i in range(corrupt):
+        (root / classes[0] / f"bad{i}.jpg").write_bytes(b"not an image")
+    return root
+
+
+def test_image_folder_trains_and_skips_unreadable(tmp_path):
+    root = _image_folder(tmp_path / "data", per_class=10, corrupt=2)
+    with pytest.warns(UserWarning, match="2 unreadable image"):
+        data = _data.image_folder(str(root), image_size=16, workers=0)
+    assert data.skipped == 2 and data.classes == ["a", "b"]
+    assert data.train.num_examples + data.val.num_examples == 20
+    x, y = data.train.load([0, 1], 0)
+    assert x.shape == (2, 16, 16, 3) and x.dtype == np.float32
+    # augmentation is a function of (seed, epoch, index): same twice, different next epoch
+    np.testing.assert_array_equal(x, data.train.load([0, 1], 0)[0])
+    assert not np.array_equal(x, data.train.load([0, 1], 1)[0])
+    # parallel loading (spawned workers) gives the same batches
+    batches = [[0, 1], [2, 3]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        par = _data.image_folder(str(root), image_size=16, workers=2)
+    for (xa, ya), b in zip(par.train.stream(iter(batches), 0), batches):
+        xb, yb = data.train.load(b, 0)
+        np.testing.assert_array_equal(xa, xb)
+        np.testing.assert_array_equal(ya, yb)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(TrainConfig(workdir=str(tmp_path / "w"), data=str(root), image_size=16, batch_size=8,
+                                   epochs=1, workers=0, progress=False, devices=1))
+    assert 0 <= result["val_acc"] <= 1
+
+
+def test_bad_data_directories(tmp_path):
+    with pytest.raises(ConfigError, match=r"`--data` \(=.*missing\) is not a directory"):
+        train(TrainConfig(workdir=str(tmp_path / "w"), data=str(tmp_path / "missing")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no images"):
+        _data.image_folder(str(tmp_path / "empty"))
+    one = _image_folder(tmp_path / "one", classes=("only",))
+    with pytest.raises(ConfigError, match="single class .*'only'.*at least 2"):
+        _data.image_folder(str(one))
+
+
+def test_batch_not_dividing_devices_is_refused_up_front(tmp_path):
+    with pytest.raises(ConfigError, match=r"`--batch-size` \(=30\) must be divisible by the number of devices \(=8\); use 32 or 24"):
+        train(TrainConfig(workdir=str(tmp_path), batch_size=30, image_size=16))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_cli_reports_errors_on_one_line(tmp_path):
+    cmd, env = _cli(tmp_path, "--data", str(tmp_path / "nope"))
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "is not a directory" in out.stderr
+
+
+def test_batch_size_auto_from_memory_analysis():
+    from jaxport.models import build
+    from jaxport.train import OutOfMemoryError, create_state, largest_batch, make_mesh, make_train_step, step_bytes
+    from torch_compat import optim
+
+    mesh = make_mesh(jax.devices()[:1])
+    model = build("resnet18", num_classes=10)
+    variables = model.init(jax.random.key(0), np.zeros((1, 8, 8, 3), np.float32))
+    tx = optim.sgd(0.1, momentum=0.9)
+    state = create_state(variables, tx, mesh)
+    step = make_train_step(model, tx, mesh, donate=False)
+    m4, m5 = step_bytes(step, state, mesh, 4, 8), step_bytes(step, state, mesh, 5, 8)
+    assert m5 > m4 > 0  # XLA's analysis grows with the batch
+    messages = []
+    assert largest_batch(step, state, mesh, 8, (m4 + m5) // 2, log=messages.append) == 4
+    assert "4 per device" in messages[0]
+    with pytest.raises(OutOfMemoryError, match="a batch of 1 per device needs"):
+        largest_batch(step, state, mesh, 8, 1000)

@@ -1,0 +1,80 @@
+"""The data-parallel step on 8 simulated CPU devices: device-count independence with SyncBN,
+identical replicas with per-device BN, and the batch-divisibility check."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from jaxport._errors import ConfigError
+from jaxport.models import build
+from jaxport.train import check_batch_size, create_state, make_mesh, make_train_step, shard_batch
+from torch_compat import optim
+
+BATCH, SIZE, STEPS = 16, 16, 2
+
+
+@functools.lru_cache  # the 8-device SyncBN run serves two tests
+def _train(num_devices, sync_bn, seed=0):
+    mesh = make_mesh(jax.devices()[:num_devices])
+    model = build("resnet18", num_classes=10, zero_init_residual=True, bn_axis_name="data" if sync_bn else None)
+    variables = model.init(jax.random.key(seed), np.zeros((1, SIZE, SIZE, 3), np.float32))
+    tx = optim.sgd(0.05, momentum=0.9, weight_decay=1e-4)
+    state = create_state(variables, tx, mesh)
+    step = make_train_step(model, tx, mesh)
+    rng = np.random.default_rng(seed)
+    losses = []
+    for _ in range(STEPS):
+        x = rng.standard_normal((BATCH, SIZE, SIZE, 3)).astype(np.float32)
+        y = rng.integers(0, 10, BATCH)
+        state, metrics = step(state, *shard_batch(mesh, x, y))
+        losses.append(float(metrics["loss"]))
+    return state, losses
+
+
+def _max_rel(a, b):
+    return max(jax.tree.leaves(jax.tree.map(
+        lambda x, y: float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y))) / max(np.max(np.abs(np.asarray(y, np.float64))), 1e-30)),
+        a, b)))
+
+
+def test_sync_bn_same_weights_on_1_and_8_devices():
+    one, loss1 = _train(1, sync_bn=True)
+    eight, loss8 = _train(8, sync_bn=True)
+    np.testing.assert_allclose(loss1, loss8, rtol=1e-5)
+    # float32 rounding only: reductions are split differently over devices.
+    assert _max_rel(jax.device_get(eight.variables), jax.device_get(one.variables)) < 1e-4
+    assert int(eight.step) == STEPS
+
+
+def test_per_device_bn_keeps_replicas_identical():
+    state, _ = _train(8, sync_bn=False)
+    for leaf in jax.tree.leaves(state.variables) + jax.tree.leaves(state.opt_state):
+        shards = [np.asarray(s.data) for s in leaf.addressable_shards]
+        assert len(shards) == 8
+        for s in shards[1:]:
+            np.testing.assert_array_equal(s, shards[0])
+    synced, _ = _train(8, sync_bn=True)
+    # per-device statistics are a different computation from SyncBN (2 examples per device)
+    assert _max_rel(jax.device_get(state.batch_stats), jax.device_get(synced.batch_stats)) > 1e-3
+
+
+def test_step_compiles_once():
+    mesh = make_mesh()
+    model = build("resnet18", num_classes=10)
+    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    tx = optim.sgd(0.1)
+    state = create_state(variables, tx, mesh)
+    step = make_train_step(model, tx, mesh)
+    x, y = np.zeros((8, 16, 16, 3), np.float32), np.zeros(8, np.int32)
+    for _ in range(3):
+        state, _ = step(state, *shard_batch(mesh, x, y))
+    assert step._cache_size() == 1
+
+
+@pytest.mark.parametrize("batch,devices,fix", [(30, 8, "use 32 or 24"), (3, 8, "use 8"), (100, 3, "use 102 or 99")])
+def test_batch_not_divisible_is_refused(batch, devices, fix):
+    with pytest.raises(ConfigError) as err:
+        check_batch_size(batch, devices)
+    assert str(err.value) == f"`batch_size` (={batch}) must be divisible by the number of devices (={devices}); {fix}"
+    check_batch_size(32, 8)
