@@ -38,8 +38,9 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
 
 def _unreadable(path: str, step: int, err: Exception, steps: list[int]) -> CheckpointError:
     older = [s for s in steps if s < step]
-    fix = (f"delete {os.path.join(path, str(step))} to resume from step {older[-1]}" if older
-           else "delete it and start again without --resume")
+    bad = os.path.join(path, str(step))
+    fix = (f"delete {bad} to resume from step {older[-1]}" if older
+           else f"it is the only checkpoint: delete {bad} and train again without --resume")
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: {first[:200]}); {fix}")
 
