@@ -78,8 +78,12 @@ def hard_negative_mask(
     Per slice along `axis`, selects the ``k = min(neg_pos_ratio * num_positive,
     num_non_positive)`` largest losses among the non-positive entries; positives are never
     selected. Ties are taken in index order and NaN counts as the largest loss. Whenever k fits
-    (``neg_pos_ratio * num_positive <= num_non_positive``) this equals torchvision's SSD loss
-    (``torchvision/models/detection/ssd.py``, ``compute_loss``)::
+    (``neg_pos_ratio * num_positive <= num_non_positive``) and no non-positive loss is -inf
+    (cross-entropy never is), this equals torchvision's SSD mining
+    (``torchvision/models/detection/ssd.py``, ``compute_loss``; it marks positives with -inf
+    and so could pick a positive over a -inf negative). torchvision sorts without
+    ``stable=True``, so among tied losses its choice is unspecified; here it is index order,
+    as with ``stable=True``::
 
         negative_loss = cls_loss.clone(); negative_loss[foreground] = -inf
         _, idx = negative_loss.sort(1, descending=True)
