@@ -88,10 +88,11 @@ def logsumexp(
         # even when the masked value is inf or NaN.
         a = jnp.where(where, a, -jnp.inf)
 
-    m = jnp.max(a, axis=dims, keepdims=True, initial=-jnp.inf)
+    # The shift is a constant for differentiation (the result does not depend on it).
+    m = lax.stop_gradient(jnp.max(a, axis=dims, keepdims=True, initial=-jnp.inf))
     if axis_name is not None:
         m = lax.pmax(m, axis_name)
-    m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, jnp.zeros((), work)))
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), work))
     e = jnp.exp(a - m)
     if b is not None:
         e = e * b

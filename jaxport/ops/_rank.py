@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _host
+from ._callback import host_call
 from ._checks import normalize_axis
 from ._keys import order_key
 
@@ -76,5 +77,4 @@ def _rank_xla(key: jax.Array) -> jax.Array:
 
 
 def _rank_host(key: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct(key.shape, jnp.int32)
-    return jax.pure_callback(_host.rank_rows, out, key, vmap_method="broadcast_all")
+    return host_call(_host.rank_rows, jax.ShapeDtypeStruct(key.shape, jnp.int32), key)

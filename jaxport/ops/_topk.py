@@ -10,6 +10,7 @@ from jax import lax
 
 from .._errors import ConfigError
 from . import _host
+from ._callback import host_call
 from ._checks import normalize_axis
 from ._keys import order_key
 
@@ -174,8 +175,7 @@ def select_keys(key: jax.Array, k: jax.Array, method: str = "auto") -> jax.Array
 
 
 def _select_host(key: jax.Array, k: jax.Array) -> jax.Array:
-    out = jax.ShapeDtypeStruct(key.shape, jnp.bool_)
-    return jax.pure_callback(_host.topk_rows, out, key, k, vmap_method="broadcast_all")
+    return host_call(_host.topk_rows, jax.ShapeDtypeStruct(key.shape, jnp.bool_), key, k)
 
 
 def _select_xla(key: jax.Array, k: jax.Array) -> jax.Array:
