@@ -74,19 +74,24 @@ def topk_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
         return out.reshape(key.shape)
 
     def work(lo: int, hi: int) -> None:
-        for i in range(lo, hi):
-            ki = int(kk[i])
-            if ki <= 0:
-                continue
-            if ki >= n:
-                out[i] = True
-                continue
-            row, o = k2[i], out[i]
-            t = np.partition(row, ki - 1)[ki - 1]  # the k-th smallest key
-            np.less(row, t, out=o)
-            need = ki - int(np.count_nonzero(o))
-            # Ties at the threshold are taken in index order, as a stable sort would.
-            o[np.flatnonzero(row == t)[:need]] = True
+        block, kb = k2[lo:hi], np.clip(kk[lo:hi], 0, n)
+        # Each row's k-th smallest key, by in-place introselect on one copy of the block.
+        scratch = block.copy()
+        t = np.empty(hi - lo, k2.dtype)
+        for i, ki in enumerate(kb.tolist()):
+            if 0 < ki:
+                scratch[i].partition(ki - 1)
+                t[i] = scratch[i, ki - 1]
+        o = out[lo:hi]
+        np.less_equal(block, t[:, None], out=o)
+        o[kb == 0] = False
+        # Rows with more keys equal to the threshold than needed keep the first ones in index
+        # order, as a stable sort would (rare with continuous data).
+        for i in np.flatnonzero(np.count_nonzero(o, axis=1) != kb).tolist():
+            row, ti = block[i], t[i]
+            np.less(row, ti, out=o[i])
+            need = int(kb[i]) - int(np.count_nonzero(o[i]))
+            o[i, np.flatnonzero(row == ti)[:need]] = True
 
     _parallel_rows(work, k2.shape[0], n)
     return out.reshape(key.shape)
