@@ -66,7 +66,7 @@ def logsumexp(
       >>> from jaxport.ops import logsumexp
       >>> logsumexp(jnp.array([[0.0, jnp.log(3.0)], [1e30, 1e30]]), axis=1)
       Array([1.3862944e+00, 1.0000000e+30], dtype=float32)
-      >>> jax.grad(lambda x: logsumexp(x))(jnp.full(3, -jnp.inf))
+      >>> jax.grad(lambda x: logsumexp(x))(jnp.full(3, -jnp.inf, jnp.float32))
       Array([0., 0., 0.], dtype=float32)
     """
     a = jnp.asarray(a)
