@@ -92,7 +92,8 @@ def main() -> None:
     bw = memory_bandwidth_gbs(args.repeats)
     print(f"# jax {jax.__version__} on {dev.platform} ({cpu_model()}), torch {torch.__version__}, "
           f"threads: xla={threads}, torch=best of {{{threads}, 1}}, repeats={args.repeats} (median)")
-    print(f"# measured memory read bandwidth: {bw:.1f} GB/s (jit sum over 512 MiB float32)")
+    print(f"# measured memory read bandwidth: {bw:.1f} GB/s (jit sum over 512 MiB float32); "
+          f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"| {'op':<26} | {'shape':<13} | {'time ms':>9} | {'vs torch dbl sort':>17} | "
           f"{'vs jax.nn.lse':>13} | {'vs torch.lse':>12} | {'GB/s':>6} |")
     print("|" + "|".join("-" * w for w in (28, 15, 11, 19, 15, 14, 8)) + "|")
