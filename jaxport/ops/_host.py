@@ -9,16 +9,21 @@ partitions.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 
 import numpy as np
 
 _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=None)  # one pool per process, created on first use (thread-safe)
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(_threads(), thread_name_prefix="jaxport-ops")
 
 
 def _parallel_rows(fn, rows: int, n: int) -> None:
@@ -27,11 +32,8 @@ def _parallel_rows(fn, rows: int, n: int) -> None:
     if chunks <= 1:
         fn(0, rows)
         return
-    global _POOL
-    if _POOL is None:
-        _POOL = concurrent.futures.ThreadPoolExecutor(_threads(), thread_name_prefix="jaxport-ops")
     bounds = np.linspace(0, rows, chunks + 1).astype(int)
-    futures = [_POOL.submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    futures = [_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     for f in futures:
         f.result()
 
