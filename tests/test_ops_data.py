@@ -30,7 +30,8 @@ def tricky(shape, dtype: str, seed: int = 0) -> np.ndarray:
         return rng.random(shape) < 0.5
     info = np.iinfo(dtype)
     pool = np.array([info.min, info.min + 1, -1 if info.min < 0 else 1, 0, 2, info.max], dtype)
-    return np.where(rng.random(shape) < 0.5, rng.choice(pool, size=shape), rng.integers(-5 if info.min < 0 else 0, 6, shape)).astype(dtype)
+    small = rng.integers(-5 if info.min < 0 else 0, 6, shape)
+    return np.where(rng.random(shape) < 0.5, rng.choice(pool, size=shape), small).astype(dtype)
 
 
 def to_torch(x: np.ndarray, dtype: str) -> torch.Tensor:

@@ -3,7 +3,6 @@ unsharded (torch-exact) results, whether the batch axis or the ranked/reduced ax
 and `logsumexp(..., axis_name=)` reduces across a mesh axis inside `jax.shard_map`.
 """
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -56,7 +55,8 @@ def test_hard_negative_and_logsumexp_sharded_equal_unsharded(mesh, split):
 
 def test_rank_inside_shard_map_per_device_rows(mesh):
     x = tricky((16, 50), "float32", seed=9)
-    f = jax.jit(jax.shard_map(lambda v: rank_impl(v, -1, False), mesh=mesh, in_specs=P("d", None), out_specs=P("d", None)))
+    rows = P("d", None)
+    f = jax.jit(jax.shard_map(lambda v: rank_impl(v, -1, False), mesh=mesh, in_specs=rows, out_specs=rows))
     np.testing.assert_array_equal(np.asarray(f(x)), torch_rank(to_torch(x, "float32"), -1, False))
 
 

@@ -64,9 +64,8 @@ def test_topk_mask_jit_and_vmap_equal_eager(method):
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, k)), want)
     np.testing.assert_array_equal(np.asarray(jax.vmap(f)(x, k)), want)
     # k shared by the batch (unbatched under vmap), x batched.
-    np.testing.assert_array_equal(
-        np.asarray(jax.vmap(f, in_axes=(0, None))(x, k[0])), _torch_topk(x, "float32", np.broadcast_to(k[0], (6, 4)), -1, True)
-    )
+    shared = jax.vmap(f, in_axes=(0, None))(x, k[0])
+    np.testing.assert_array_equal(np.asarray(shared), _torch_topk(x, "float32", np.broadcast_to(k[0], (6, 4)), -1, True))
 
 
 def test_topk_mask_large_rows_use_threads_and_stay_exact():

@@ -33,11 +33,13 @@ def logsumexp(
     computed as ``m + log(sum(b * exp(a - m)))`` with ``m = stop_gradient(max(a))`` (0 where the
     max is not finite). Without `b` and `axis_name`, a single pass ``log(sum(exp(a)))`` is used
     whenever its sum is provably exact (finite and far above the underflow range; typical
-    logits), which skips the max pass; anything else takes the shifted path. Edges: a slice that is all -inf, or entirely masked out by `where`,
-    gives -inf with a zero (finite) gradient, where torch and ``jax.nn.logsumexp`` give a NaN
-    gradient; a +inf entry gives +inf; NaN propagates; inputs of 1e30 do not overflow. With `b`
-    and ``return_sign=False`` a negative sum gives NaN, as in scipy. float16 and bfloat16 are
-    accumulated in float32 and rounded once at the end.
+    logits), which skips the max pass; anything else takes the shifted path.
+
+    Edges: a slice that is all -inf, or entirely masked out by `where`, gives -inf with a zero
+    (finite) gradient, where torch and ``jax.nn.logsumexp`` give a NaN gradient; a +inf entry
+    gives +inf; NaN propagates; inputs of 1e30 do not overflow; an empty axis gives -inf. With
+    `b` and ``return_sign=False`` a negative sum gives NaN, as in scipy. float16 and bfloat16
+    are accumulated in float32 and rounded once at the end.
 
     With `axis_name` (inside ``jax.shard_map``) the reduction also spans that mesh axis: each
     device reduces its shard, then one ``pmax`` and one ``psum`` combine them, so a logsumexp
