@@ -147,3 +147,13 @@ def test_hard_negative_mask_errors_name_the_argument():
         hard_negative_mask(jnp.zeros((2, 4)), jnp.zeros(3, bool))
     with pytest.raises(ConfigError, match="`loss` has dtype int32"):
         hard_negative_mask(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), bool))
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+def test_masked_loss_is_differentiable_through_the_mask(method):
+    # The SSD use: gradients flow to the selected losses; the mask itself is constant.
+    loss = jnp.array([[3.0, 1.0, 2.0, 5.0], [0.5, 4.0, 4.0, 1.0]])
+    f = lambda x: jnp.sum(jnp.where(topk_mask_impl(x, 2, -1, True, method=method), x, 0.0))  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(f))(loss)), [[1, 0, 0, 1], [0, 1, 1, 0]])
+    g = jax.grad(lambda x: jnp.sum(jnp.where(hard_negative_mask(x, x > 4.5, 1), x, 0.0)))(loss)
+    np.testing.assert_array_equal(np.asarray(g), [[1, 0, 0, 0], [0, 0, 0, 0]])
