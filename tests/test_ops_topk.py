@@ -128,6 +128,8 @@ def test_hard_negative_mask_matches_torchvision_ssd(seed, ties, ratio):
     np.testing.assert_array_equal(np.asarray(got), want)
     jitted = jax.jit(hard_negative_mask, static_argnums=2)(loss, positive, ratio)
     np.testing.assert_array_equal(np.asarray(jitted), want)
+    per_image = jax.vmap(lambda l, p: hard_negative_mask(l, p, ratio, axis=0))(loss, positive)
+    np.testing.assert_array_equal(np.asarray(per_image), want)
 
 
 def test_hard_negative_mask_never_selects_positives_when_k_does_not_fit():
