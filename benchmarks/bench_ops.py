@@ -1,0 +1,139 @@
+"""Speed of jaxport.ops against torch's double sort, jnp's double argsort and logsumexp.
+
+Run: python benchmarks/bench_ops.py [--repeats N] [--quick]
+
+Every jax function is jit-compiled and warmed up, timed with block_until_ready, and reported
+as the median of several runs. torch runs with as many threads as XLA:CPU uses (all the cores
+this process may run on) and, because torch's OpenMP threads slow down badly when another
+process shares the cores, also with 1 thread: each torch reference is the faster of the two,
+so ratios are never flattered by a contended torch. Ratios are (reference time) / (jaxport
+time), measured in the same run, so > 1 means jaxport is faster. `rank[xla]` / `topk_mask[xla]` are the
+pure-XLA kernels that other backends use, shown on CPU for comparison.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from jaxport.ops import logsumexp, rank, topk_mask  # noqa: E402
+from jaxport.ops._rank import rank_impl  # noqa: E402
+from jaxport.ops._topk import topk_mask_impl  # noqa: E402
+
+SHAPES = [(32, 8732), (256, 8732), (1024, 32768)]
+
+
+def _median_ms(fn, repeats: int) -> float:
+    t0 = time.perf_counter()
+    fn()  # warm-up (compiles jax functions)
+    if time.perf_counter() - t0 > 2.0:  # multi-second references: 3 runs are enough
+        repeats = min(repeats, 3)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def _torch_ms(fn, repeats: int, threads: int) -> float:
+    """The faster of torch with `threads` threads and with 1 thread (see the module doc)."""
+    best = float("inf")
+    for n in sorted({threads, 1}, reverse=True):
+        torch.set_num_threads(n)
+        best = min(best, _median_ms(fn, repeats))
+    torch.set_num_threads(threads)
+    return best
+
+
+def _jax(fn, *args):
+    return lambda: jax.block_until_ready(fn(*args))
+
+
+def memory_bandwidth_gbs(repeats: int) -> float:
+    """Read bandwidth: a jit-compiled sum over a 512 MiB float32 array (much larger than cache)."""
+    x = jnp.ones((1 << 27,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    ms = _median_ms(_jax(total, x), repeats)
+    return x.nbytes / (ms * 1e-3) / 1e9
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="only the smallest shape")
+    args = parser.parse_args()
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(threads)
+    dev = jax.devices()[0]
+    bw = memory_bandwidth_gbs(args.repeats)
+    print(f"# jax {jax.__version__} on {dev.platform} ({cpu_model()}), torch {torch.__version__}, "
+          f"threads: xla={threads}, torch=best of {{{threads}, 1}}, repeats={args.repeats} (median)")
+    print(f"# measured memory read bandwidth: {bw:.1f} GB/s (jit sum over 512 MiB float32); "
+          f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"| {'op':<26} | {'shape':<13} | {'time ms':>9} | {'vs torch dbl sort':>17} | "
+          f"{'vs jax.nn.lse':>13} | {'vs torch.lse':>12} | {'GB/s':>6} |")
+    print("|" + "|".join("-" * w for w in (28, 15, 11, 19, 15, 14, 8)) + "|")
+
+    def row(op, shape, ms, vs_sort="", vs_jlse="", vs_tlse="", gbs=""):
+        print(f"| {op:<26} | {str(shape):<13} | {ms:>9.2f} | {vs_sort:>17} | {vs_jlse:>13} | "
+              f"{vs_tlse:>12} | {gbs:>6} |", flush=True)
+
+    rng = np.random.default_rng(0)
+    for shape in SHAPES[:1] if args.quick else SHAPES:
+        xn = rng.standard_normal(shape).astype(np.float32)
+        kn = rng.integers(0, shape[1] // 4, shape[0]).astype(np.int32)
+        xt, kt = torch.from_numpy(xn), torch.from_numpy(kn)[:, None]
+        x, k = jnp.asarray(xn), jnp.asarray(kn)
+
+        t_dbl = _torch_ms(lambda: xt.sort(dim=-1, stable=True).indices.argsort(dim=-1), args.repeats, threads)
+        t_dbl_topk = _torch_ms(
+            lambda: xt.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1) < kt, args.repeats, threads)
+        row("torch double sort (rank)", shape, t_dbl, "1.00x")
+        row("torch double sort < k", shape, t_dbl_topk, "1.00x")
+        naive = jax.jit(lambda x: jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True))
+        t = _median_ms(_jax(naive, x), args.repeats)
+        row("jnp.argsort(jnp.argsort)", shape, t, f"{t_dbl / t:.2f}x")
+        for name, fn in [("rank", jax.jit(rank)),
+                         ("rank[xla]", jax.jit(lambda x: rank_impl(x, method="xla")))]:
+            t = _median_ms(_jax(fn, x), args.repeats)
+            row(name, shape, t, f"{t_dbl / t:.2f}x")
+        for name, fn in [("topk_mask (per-row k)", jax.jit(topk_mask)),
+                         ("topk_mask[xla] (per-row k)", jax.jit(lambda x, k: topk_mask_impl(x, k, method="xla")))]:
+            t = _median_ms(_jax(fn, x, k), args.repeats)
+            row(name, shape, t, f"{t_dbl_topk / t:.2f}x")
+
+        t_tlse = _torch_ms(lambda: torch.logsumexp(xt, dim=-1), args.repeats, threads)
+        t_jlse = _median_ms(_jax(jax.jit(lambda x: jax.nn.logsumexp(x, axis=-1)), x), args.repeats)
+        t = _median_ms(_jax(jax.jit(lambda x: logsumexp(x, axis=-1)), x), args.repeats)
+        gbs = lambda ms: f"{xn.nbytes / (ms * 1e-3) / 1e9:.2f}"  # noqa: E731
+        row("torch.logsumexp", shape, t_tlse, "", f"{t_jlse / t_tlse:.2f}x", "1.00x", gbs(t_tlse))
+        row("jax.nn.logsumexp", shape, t_jlse, "", "1.00x", f"{t_tlse / t_jlse:.2f}x", gbs(t_jlse))
+        row("logsumexp", shape, t, "", f"{t_jlse / t:.2f}x", f"{t_tlse / t:.2f}x", gbs(t))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Host (numpy) kernels behind `rank` and `topk_mask` on the CPU backend.
+
+XLA:CPU's sort is about 15x slower than numpy's vectorised sort, so on CPU the kernels run on
+the host through `jax.pure_callback`. They take the same order keys as the XLA path
+(`_keys.order_key`) and return identical results; `tests/test_ops_*` check both paths against
+torch. Rows are split across a small thread pool: numpy releases the GIL while it sorts and
+partitions.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import os
+
+import numpy as np
+
+_MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
+
+
+def _threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+
+
+@functools.lru_cache(maxsize=None)  # one pool per process, created on first use (thread-safe)
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(_threads(), thread_name_prefix="jaxport-ops")
+
+
+def _parallel_rows(fn, rows: int, n: int) -> None:
+    """Calls fn(lo, hi) over contiguous row blocks, in parallel when the work is large enough."""
+    chunks = min(_threads(), rows, max(1, rows * n // _MIN_WORK_PER_THREAD))
+    if chunks <= 1:
+        fn(0, rows)
+        return
+    bounds = np.linspace(0, rows, chunks + 1).astype(int)
+    futures = [_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    for f in futures:
+        f.result()
+
+
+def rank_rows(key: np.ndarray) -> np.ndarray:
+    """Stable rank along the last axis of unsigned keys (any leading shape) -> int32."""
+    key = np.asarray(key)
+    n = key.shape[-1]
+    k2 = key.reshape(-1, n)
+    out = np.empty(k2.shape, np.int32)
+    if n == 0 or k2.shape[0] == 0:
+        return out.reshape(key.shape)
+    iota = np.arange(n, dtype=np.int32)
+
+    def work(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            row = k2[i]
+            if row.dtype == np.uint32:
+                # LSD radix sort in two stable 16-bit passes (numpy radix-sorts 16-bit keys),
+                # one row at a time so every pass stays in cache.
+                p1 = np.argsort((row & 0xFFFF).astype(np.uint16), kind="stable")
+                p2 = np.argsort((row >> 16).astype(np.uint16)[p1], kind="stable")
+                perm = p1[p2]
+            else:
+                perm = np.argsort(row, kind="stable")
+            out[i, perm] = iota  # the inverse permutation: rank[perm[j]] = j
+
+    _parallel_rows(work, k2.shape[0], n)
+    return out.reshape(key.shape)
+
+
+def topk_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """mask[i, j] = rank of key[i, j] among row i (stable, ascending) < k[i]; k in [0, n]."""
+    key = np.asarray(key)
+    n = key.shape[-1]
+    k2 = key.reshape(-1, n)
+    kk = np.broadcast_to(np.asarray(k), key.shape[:-1]).reshape(-1)
+    out = np.zeros(k2.shape, np.bool_)
+    if n == 0 or k2.shape[0] == 0:
+        return out.reshape(key.shape)
+
+    def work(lo: int, hi: int) -> None:
+        block, kb = k2[lo:hi], np.clip(kk[lo:hi], 0, n)
+        # Each row's k-th smallest key, by in-place introselect on one copy of the block.
+        scratch = block.copy()
+        t = np.empty(hi - lo, k2.dtype)
+        for i, ki in enumerate(kb.tolist()):
+            if 0 < ki:
+                scratch[i].partition(ki - 1)
+                t[i] = scratch[i, ki - 1]
+        o = out[lo:hi]
+        np.less_equal(block, t[:, None], out=o)
+        o[kb == 0] = False
+        # Rows with more keys equal to the threshold than needed keep the first ones in index
+        # order, as a stable sort would (rare with continuous data).
+        for i in np.flatnonzero(np.count_nonzero(o, axis=1) != kb).tolist():
+            row, ti = block[i], t[i]
+            np.less(row, ti, out=o[i])
+            need = int(kb[i]) - int(np.count_nonzero(o[i]))
+            o[i, np.flatnonzero(row == ti)[:need]] = True
+
+    _parallel_rows(work, k2.shape[0], n)
+    return out.reshape(key.shape)

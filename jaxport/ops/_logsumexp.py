@@ -1,0 +1,171 @@
+"""`logsumexp`: the max-shift trick with well-defined edges, optionally across a mesh axis."""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._errors import ConfigError
+from ._checks import normalize_axes
+
+
+def logsumexp(
+    a: jax.Array,
+    axis=None,
+    *,
+    b: jax.Array | None = None,
+    where: jax.Array | None = None,
+    keepdims: bool = False,
+    return_sign: bool = False,
+    axis_name=None,
+):
+    r"""``log(sum(b * exp(a)))`` over `axis`, stable, exact, and defined at every edge.
+
+    Semantics::
+
+        logsumexp(a, axis)              == torch.logsumexp(a, dim=axis)
+        logsumexp(a, axis, b=b,
+                  return_sign=s)        == scipy.special.logsumexp(a, axis, b=b, return_sign=s)
+
+    computed as ``m + log(sum(b * exp(a - m)))`` with ``m = stop_gradient(max(a))`` (0 where the
+    max is not finite). Without `b` and `axis_name`, a single pass ``log(sum(exp(a)))`` is used
+    whenever its sum is provably exact (finite and far above the underflow range; typical
+    logits), which skips the max pass; anything else takes the shifted path.
+
+    Edges: a slice that is all -inf, or entirely masked out by `where`, gives -inf with a zero
+    (finite) gradient, where torch and ``jax.nn.logsumexp`` give a NaN gradient; a +inf entry
+    gives +inf; NaN propagates; inputs of 1e30 do not overflow; an empty axis gives -inf. With
+    `b` and ``return_sign=False`` a negative sum gives NaN, as in scipy. float16 and bfloat16
+    are accumulated in float32 and rounded once at the end.
+
+    With `axis_name` (inside ``jax.shard_map``) the reduction also spans that mesh axis: each
+    device reduces its shard, then one ``pmax`` and one ``psum`` combine them, so a logsumexp
+    over a class axis split across devices is a single call.
+
+    Args:
+      a: the array (integers are promoted to the default float type).
+      axis: an int, a tuple of ints, or None for all axes.
+      b: optional scale factors broadcastable to `a`; may be negative (see `return_sign`).
+        Entries with ``b == 0`` are left out, as in scipy (so they get no gradient either).
+      where: optional bool mask broadcastable to `a`; only True entries are summed.
+      keepdims: keep the reduced axes with size 1.
+      return_sign: also return the sign of the sum (``+1``, ``-1`` or 0) and give
+        ``log(abs(sum))`` instead of NaN for negative sums.
+      axis_name: a mesh axis name (or tuple of names) to reduce across as well.
+
+    Returns:
+      The result in `a`'s (floating) dtype; a pair ``(result, sign)`` if `return_sign`.
+
+    Raises:
+      ConfigError: `axis` is out of range or repeats, `a` is complex, or `b` / `where` do not
+        broadcast to `a`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from jaxport.ops import logsumexp
+      >>> logsumexp(jnp.array([[0.0, jnp.log(3.0)], [1e30, 1e30]]), axis=1)
+      Array([1.3862944e+00, 1.0000000e+30], dtype=float32)
+      >>> jax.grad(lambda x: logsumexp(x))(jnp.full(3, -jnp.inf, jnp.float32))
+      Array([0., 0., 0.], dtype=float32)
+    """
+    a = jnp.asarray(a)
+    if jnp.issubdtype(a.dtype, jnp.complexfloating):
+        raise ConfigError(f"`a` has complex dtype {a.dtype}; logsumexp here takes real arrays")
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+        a = a.astype(jnp.result_type(float))
+    out_dtype = a.dtype
+    # Half precision accumulates in float32 (as torch's CPU and GPU kernels do).
+    work = jnp.float32 if np.dtype(out_dtype).itemsize < 4 else out_dtype
+    a = a.astype(work)
+    dims = normalize_axes(axis, a.ndim)
+    if b is not None:
+        b = jnp.asarray(b).astype(work)
+        b = _broadcast(b, a.shape, "b")
+    if where is not None:
+        where = _broadcast(jnp.asarray(where, bool), a.shape, "where")
+    if b is not None:
+        # As in scipy, entries with b == 0 are ignored, even where `a` is inf or NaN.
+        where = b != 0 if where is None else where & (b != 0)
+    if where is not None:
+        # Masked entries become -inf (not summed with `where=`), so their gradient is exactly 0
+        # even when the masked value is inf or NaN.
+        a = jnp.where(where, a, -jnp.inf)
+
+    if b is None and axis_name is None:
+        out = _lse_one_pass(a, dims)
+        out = out if keepdims else jnp.squeeze(out, dims)
+        sign = jnp.where(jnp.isnan(out), jnp.nan, jnp.where(out == -jnp.inf, 0.0, 1.0)).astype(work)
+        return (out.astype(out_dtype), sign.astype(out_dtype)) if return_sign else out.astype(out_dtype)
+    s, m = _shifted_sum(a, b, dims, axis_name)
+    sign = jnp.sign(s)
+    out = _log_or_neg_inf(jnp.abs(s)) + m
+    if not keepdims:
+        out = jnp.squeeze(out, dims)
+        sign = jnp.squeeze(sign, dims)
+    if return_sign:
+        return out.astype(out_dtype), sign.astype(out_dtype)
+    if b is not None:
+        out = jnp.where(sign < 0, jnp.nan, out)
+    return out.astype(out_dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _lse_one_pass(a: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    """log(sum(exp(a))) over `dims` (kept), in one pass over `a` whenever that is exact.
+
+    Without the shift, sum(exp(a)) is right to float rounding whenever it neither overflows
+    nor is small enough for flushed terms to matter (each term lost to underflow is < tiny, and
+    n of them stay below 2^-4 ulp of the sum). Otherwise (inf, NaN, all -inf, |a| ~ 1e30...)
+    the max-shifted two-pass sum runs instead.
+    """
+    n = int(np.prod([a.shape[d] for d in dims], dtype=np.int64))
+    info = jnp.finfo(a.dtype)
+    floor = float(info.tiny) * 16.0 / float(info.eps) * max(n, 1)
+    s_fast = jnp.sum(jnp.exp(a), axis=dims, keepdims=True)
+    exact = jnp.all((s_fast < jnp.inf) & (s_fast > floor))
+    s, m = lax.cond(exact, lambda: (s_fast, jnp.zeros_like(s_fast)), lambda: _shifted_sum(a, None, dims, None))
+    return _log_or_neg_inf(s) + m
+
+
+@_lse_one_pass.defjvp
+def _lse_one_pass_jvp(dims, primals, tangents):
+    (a,), (t,) = primals, tangents
+    out = _lse_one_pass(a, dims)
+    # d out = sum(softmax(a) * da); an all -inf slice has out = -inf and softmax 0 (not NaN).
+    shift = jnp.where(jnp.isfinite(out), out, jnp.zeros((), out.dtype))
+    return out, jnp.sum(jnp.exp(a - shift) * t, axis=dims, keepdims=True)
+
+
+def _log_or_neg_inf(s: jax.Array) -> jax.Array:
+    """log(s) for s >= 0; log(0) = -inf with a zero gradient (log of 1 there, so d/ds is finite)."""
+    empty = s == 0
+    return jnp.where(empty, -jnp.inf, jnp.log(jnp.where(empty, jnp.ones((), s.dtype), s)))
+
+
+def _shifted_sum(a, b, dims, axis_name):
+    """(sum(b * exp(a - m)), m) with m the max over `dims` (and the mesh axis), 0 if not finite."""
+    # The shift is a constant for differentiation (the result does not depend on it).
+    m = lax.stop_gradient(jnp.max(a, axis=dims, keepdims=True, initial=-jnp.inf))
+    if axis_name is not None:
+        m = lax.pmax(m, axis_name)
+    m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), a.dtype))
+    e = jnp.exp(a - m)
+    if b is not None:
+        e = e * b
+    s = jnp.sum(e, axis=dims, keepdims=True)
+    if axis_name is not None:
+        s = lax.psum(s, axis_name)
+    return s, m
+
+
+def _broadcast(v: jax.Array, shape: tuple[int, ...], name: str) -> jax.Array:
+    try:
+        return jnp.broadcast_to(v, shape)
+    except ValueError:
+        raise ConfigError(
+            f"`{name}` has shape {v.shape}, which does not broadcast to `a`'s shape {shape}; "
+            f"pass an array of that shape or one that broadcasts to it"
+        ) from None

@@ -1,0 +1,206 @@
+"""`topk_mask` and SSD's `hard_negative_mask`: select the k smallest/largest without sorting."""
+from __future__ import annotations
+
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._errors import ConfigError
+from . import _host
+from ._callback import host_call
+from ._checks import normalize_axis
+from ._keys import order_key
+
+
+def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True) -> jax.Array:
+    """Marks the k largest (or smallest) elements of each slice along `axis`.
+
+    Semantics, exactly torch's double-sort idiom::
+
+        topk_mask(x, k, axis, largest) == (x.sort(dim=axis, descending=largest, stable=True)
+                                           .indices.argsort(dim=axis) < k)
+
+    i.e. ``rank(x, axis, descending=largest) < k``: ties are taken in index order, -0.0 equals
+    +0.0 and NaN counts as larger than every number. `k` may differ per slice; it is clamped
+    to ``[0, n]`` (negative k selects nothing, k > n selects everything).
+
+    No sort is needed: each slice's k-th key is found by selection on an order-preserving
+    integer view of `x` (numpy's introselect on the CPU backend; elsewhere an XLA bisection of
+    32 fused compare-and-count passes), and ties at that key are resolved by index
+    with a cumulative count. Both paths return identical results. Works under `jit`, `vmap`
+    and on sharded inputs.
+
+    Args:
+      x: floating, integer or bool array.
+      k: an int, or an integer array with one k per slice, broadcastable to
+        ``x.shape`` without `axis` (for a 2-D `x` and ``axis=-1``: shape ``(rows,)``).
+      axis: the axis along which to select.
+      largest: select the largest elements; False selects the smallest.
+
+    Returns:
+      bool array of `x`'s shape; each slice has ``clip(k, 0, n)`` True entries.
+
+    Raises:
+      ConfigError: `axis` is out of range, `k` is not an integer or does not broadcast, or
+        `x` is complex.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxport.ops import topk_mask
+      >>> x = jnp.array([[1.0, 5.0, 5.0, 2.0], [4.0, 3.0, 2.0, 1.0]])
+      >>> topk_mask(x, jnp.array([2, 1]))
+      Array([[False,  True,  True, False],
+             [ True, False, False, False]], dtype=bool)
+    """
+    return topk_mask_impl(x, k, axis, largest)
+
+
+def topk_mask_impl(x, k, axis: int = -1, largest: bool = True, method: str = "auto") -> jax.Array:
+    """`topk_mask` with the kernel choice exposed: "auto" (host on CPU), "host" or "xla"."""
+    x = jnp.asarray(x)
+    axis = normalize_axis(axis, x.ndim)
+    if x.ndim == 0:
+        x = x[None]
+        return topk_mask_impl(x, k, 0, largest, method)[0]
+    batch_shape = x.shape[:axis] + x.shape[axis + 1 :]
+    kk = _per_slice_k(k, batch_shape, x.shape[axis])
+    key = jnp.moveaxis(order_key(x, descending=largest), axis, -1)
+    return jnp.moveaxis(select_keys(key, kk, method), -1, axis)
+
+
+def hard_negative_mask(
+    loss: jax.Array, positive: jax.Array, neg_pos_ratio: int = 3, axis: int = -1
+) -> jax.Array:
+    """SSD hard-negative mining: the highest-loss non-positive entries, ratio per positive.
+
+    Per slice along `axis`, selects the ``k = min(neg_pos_ratio * num_positive,
+    num_non_positive)`` largest losses among the non-positive entries; positives are never
+    selected. Ties are taken in index order and NaN counts as the largest loss. Whenever k fits
+    (``neg_pos_ratio * num_positive <= num_non_positive``) and no non-positive loss is -inf
+    (cross-entropy never is), this equals torchvision's SSD mining
+    (``torchvision/models/detection/ssd.py``, ``compute_loss``; it marks positives with -inf
+    and so could pick a positive over a -inf negative). torchvision sorts without
+    ``stable=True``, so among tied losses its choice is unspecified; here it is index order,
+    as with ``stable=True``::
+
+        negative_loss = cls_loss.clone(); negative_loss[foreground] = -inf
+        _, idx = negative_loss.sort(1, descending=True)
+        background = idx.sort(1)[1] < neg_pos_ratio * foreground.sum(1, keepdim=True)
+
+    Args:
+      loss: floating per-anchor losses, e.g. shape ``(batch, anchors)``.
+      positive: bool mask of matched (foreground) anchors, broadcastable to `loss`.
+      neg_pos_ratio: non-negative int, negatives kept per positive (SSD uses 3).
+      axis: the anchor axis.
+
+    Returns:
+      bool array of `loss`'s shape marking the mined negatives.
+
+    Raises:
+      ConfigError: `loss` is not floating, `positive` does not broadcast to it,
+        `neg_pos_ratio` is not a non-negative int, or `axis` is out of range.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxport.ops import hard_negative_mask
+      >>> loss = jnp.array([[0.1, 2.0, 0.5, 0.9, 3.0]])
+      >>> positive = jnp.array([[False, False, False, False, True]])
+      >>> hard_negative_mask(loss, positive, neg_pos_ratio=2)
+      Array([[False,  True, False,  True, False]], dtype=bool)
+    """
+    loss = jnp.asarray(loss)
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ConfigError(f"`loss` has dtype {loss.dtype}; pass floating losses, e.g. loss.astype(jnp.float32)")
+    if loss.ndim == 0:
+        raise ConfigError("`loss` is a scalar; pass per-anchor losses with at least one axis")
+    axis = normalize_axis(axis, loss.ndim)
+    positive = jnp.asarray(positive)
+    try:
+        positive = jnp.broadcast_to(positive.astype(bool), loss.shape)
+    except ValueError:
+        raise ConfigError(
+            f"`positive` has shape {positive.shape}, which does not broadcast to `loss`'s shape "
+            f"{loss.shape}; pass one bool per loss entry"
+        ) from None
+    try:
+        ratio = operator.index(neg_pos_ratio)
+    except TypeError:
+        ratio = -1
+    if ratio < 0:
+        raise ConfigError(f"`neg_pos_ratio` (={neg_pos_ratio!r}) must be a non-negative int, e.g. 3")
+    n = loss.shape[axis]
+    num_pos = jnp.sum(positive, axis=axis, dtype=jnp.int32)
+    k = jnp.minimum(ratio * num_pos, n - num_pos)
+    key = order_key(loss, descending=True)
+    # Positives get a key above every float's key, so they rank after all non-positives.
+    key = jnp.where(positive, jnp.array(np.iinfo(key.dtype).max, key.dtype), key)
+    key = jnp.moveaxis(key, axis, -1)
+    return jnp.moveaxis(select_keys(key, k, "auto"), -1, axis)
+
+
+def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
+    if isinstance(k, (bool, np.bool_)) or not (
+        isinstance(k, (int, np.integer)) or jnp.issubdtype(getattr(k, "dtype", object), jnp.integer)
+    ):
+        raise ConfigError(
+            f"`k` (={k!r}) must be an int or an integer array with one k per slice; "
+            f"cast it, e.g. k.astype(jnp.int32)"
+        )
+    if isinstance(k, (int, np.integer)):
+        k = min(max(int(k), 0), n)
+        return jnp.full(batch_shape, k, jnp.int32)
+    k = jnp.asarray(k)
+    try:
+        k = jnp.broadcast_to(k, batch_shape)
+    except ValueError:
+        raise ConfigError(
+            f"`k` has shape {k.shape}, which does not broadcast to {batch_shape} (the shape of x "
+            f"without `axis`); pass one k per slice"
+        ) from None
+    return jnp.clip(k, 0, n).astype(jnp.int32)
+
+
+def select_keys(key: jax.Array, k: jax.Array, method: str = "auto") -> jax.Array:
+    """mask = stable ascending rank of `key` along the last axis < k (k in [0, n], batch-shaped)."""
+    if key.shape[-1] == 0:
+        return jnp.zeros(key.shape, bool)
+    if method == "xla":
+        return _select_xla(key, k)
+    if method == "host":
+        return _select_host(key, k)
+    return lax.platform_dependent(key, k, cpu=_select_host, default=_select_xla)
+
+
+def _select_host(key: jax.Array, k: jax.Array) -> jax.Array:
+    return host_call(_host.topk_rows, jax.ShapeDtypeStruct(key.shape, jnp.bool_), key, k)
+
+
+def _select_xla(key: jax.Array, k: jax.Array) -> jax.Array:
+    bits = key.dtype.itemsize * 8
+    sign = np.array(1 << (bits - 1), key.dtype)
+    sdt = jnp.int64 if bits == 64 else jnp.int32
+    # Compare as signed integers (the key with its top bit flipped keeps its order): XLA:CPU
+    # vectorises signed compares, unsigned ones run ~10x slower. Counts are summed in float32
+    # (exact below 2^24, and faster than an int32 sum on CPU).
+    skey = lax.bitcast_convert_type(key ^ sign, sdt)
+    cdt = jnp.float32 if key.shape[-1] < (1 << 24) else jnp.int32
+    kc = k.astype(cdt)
+
+    # t ends as the k-th smallest key: the largest t with count(key < t) < k, built bit by bit
+    # from the top (a bisection over the key range, one compare-and-count pass per bit; the
+    # loop is unrolled, which on CPU avoids a per-iteration cost as large as a pass).
+    t = jnp.zeros(key.shape[:-1], key.dtype)
+    for bit in range(bits - 1, -1, -1):
+        c = t | np.array(1 << bit, key.dtype)
+        below = jnp.sum((skey < lax.bitcast_convert_type(c ^ sign, sdt)[..., None]).astype(cdt), axis=-1)
+        t = jnp.where(below < kc, c, t)
+    st = lax.bitcast_convert_type(t ^ sign, sdt)[..., None]
+    less = skey < st
+    equal = skey == st
+    need = k - jnp.sum(less, axis=-1, dtype=jnp.int32)
+    # Ties at the threshold: the first `need` of them in index order, as a stable sort takes them.
+    first = jnp.cumsum(equal, axis=-1, dtype=jnp.int32) <= need[..., None]
+    return less | (equal & first)

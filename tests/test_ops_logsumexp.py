@@ -1,0 +1,113 @@
+"""`jaxport.ops.logsumexp` against `torch.logsumexp` and `scipy.special.logsumexp`.
+
+Tolerances (relative and absolute, per dtype) allow only rounding: float32 1e-6 (reductions
+sum in a different order), float16 1e-3, bfloat16 8e-3 (one rounding of the float32 result).
+"""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.special
+import torch
+from jax.test_util import check_grads
+
+from jaxport._errors import ConfigError
+from jaxport.ops import logsumexp
+from tests.test_ops_data import np_dtype, to_torch
+
+TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+
+
+def _data(shape, dtype, seed=0, edges=True):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(shape).astype(np.float32) * 3
+    if edges:
+        pool = np.array([-np.inf, np.inf, np.nan, 0.0, -0.0, 20.0], np.float32)
+        pick = rng.random(shape) < 0.08
+        x = np.where(pick, rng.choice(pool, size=shape), x)
+    return x.astype(np_dtype(dtype))
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("axis", [None, 0, -1, (0, 2)])
+@pytest.mark.parametrize("edges", [False, True])
+def test_logsumexp_matches_torch(axis, dtype, keepdims, edges):
+    x = _data((4, 9, 33), dtype, edges=edges)
+    dims = tuple(range(3)) if axis is None else axis
+    want = torch.logsumexp(to_torch(x, dtype).float(), dim=dims, keepdim=keepdims).numpy()
+    got = logsumexp(jnp.asarray(x), axis=axis, keepdims=keepdims)
+    assert got.dtype == jnp.dtype(np_dtype(dtype))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@pytest.mark.parametrize("return_sign", [False, True])
+@pytest.mark.parametrize("axis", [None, 1, (0, 1)])
+def test_logsumexp_b_and_sign_match_scipy(axis, return_sign):
+    rng = np.random.default_rng(1)
+    a = _data((5, 40), "float32", seed=1)
+    b = rng.choice(np.array([-2.0, -0.5, 0.0, 0.5, 1.0, 3.0], np.float32), size=(5, 40))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        want = scipy.special.logsumexp(a.astype(np.float64), axis=axis, b=b, return_sign=return_sign)
+    got = logsumexp(a, axis=axis, b=b, return_sign=return_sign)
+    for g, w in zip(got, want) if return_sign else [(got, want)]:
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w, np.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_logsumexp_where_equals_dropping_entries():
+    x = _data((3, 20), "float32", seed=2, edges=False)
+    where = np.random.default_rng(2).random((3, 20)) < 0.6
+    x_masked = np.where(where, x, np.nan)  # masked values must not leak in, even NaN
+    want = [torch.logsumexp(torch.from_numpy(x[i][where[i]]), 0).item() for i in range(3)]
+    np.testing.assert_allclose(np.asarray(logsumexp(x_masked, axis=1, where=where)), want, rtol=1e-6)
+
+
+def test_logsumexp_edges():
+    inf, nan = np.inf, np.nan
+    x = np.array([[-inf, -inf], [inf, 1.0], [nan, 1.0], [1e30, 1e30], [-1e30, -1e30], [inf, -inf]], np.float32)
+    got = np.asarray(logsumexp(x, axis=1))
+    want = torch.logsumexp(torch.from_numpy(np.asarray(x)), 1).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_array_equal(got[:3], [-inf, inf, nan])
+    assert logsumexp(jnp.zeros((2, 0)), axis=1).tolist() == [-inf, -inf]  # empty sum
+    assert float(logsumexp(jnp.ones(4), where=jnp.zeros(4, bool))) == -inf  # all masked
+
+
+def test_logsumexp_gradient_is_finite_for_all_neg_inf_and_all_masked():
+    g = jax.grad(lambda x: logsumexp(x, axis=1).sum())(jnp.array([[-jnp.inf, -jnp.inf], [0.0, 0.0]]))
+    np.testing.assert_array_equal(np.asarray(g), [[0.0, 0.0], [0.5, 0.5]])
+    # Reference bug: torch and jax.nn.logsumexp give NaN here.
+    t = torch.full((2,), -float("inf"), requires_grad=True)
+    torch.logsumexp(t, 0).backward()
+    assert torch.isnan(t.grad).all()
+    g = jax.grad(lambda x: logsumexp(x, where=jnp.array([False, False, True])))(jnp.array([jnp.inf, jnp.nan, 1.0]))
+    np.testing.assert_array_equal(np.asarray(g), [0.0, 0.0, 1.0])
+
+
+def test_logsumexp_check_grads():
+    x = _data((3, 7), "float32", seed=3, edges=False)
+    b = np.abs(_data((3, 7), "float32", seed=4, edges=False)) + 0.1
+    where = np.random.default_rng(3).random((3, 7)) < 0.7
+    check_grads(lambda x: logsumexp(x, axis=1), (x,), order=2, modes=("fwd", "rev"), eps=1e-2, rtol=2e-2)
+    check_grads(lambda x, b: logsumexp(x, axis=(0, 1), b=b, where=where), (x, b), order=1, eps=1e-2, rtol=2e-2)
+
+
+def test_logsumexp_jit_and_vmap_equal_eager():
+    x = _data((6, 5, 30), "float32", seed=5)
+    eager = logsumexp(x, axis=-1)
+    jitted = jax.jit(lambda x: logsumexp(x, axis=-1))(x)
+    vmapped = jax.vmap(lambda v: logsumexp(v, axis=-1))(x)
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager))
+    np.testing.assert_allclose(np.asarray(vmapped), np.asarray(eager), rtol=1e-6)
+
+
+def test_logsumexp_errors_name_the_argument():
+    with pytest.raises(ConfigError, match=r"`axis` \(=\(0, 0\)\) repeats an axis"):
+        logsumexp(jnp.zeros((2, 3)), axis=(0, 0))
+    with pytest.raises(ConfigError, match=r"`axis` \(=2\) is out of range"):
+        logsumexp(jnp.zeros((2, 3)), axis=2)
+    with pytest.raises(ConfigError, match=r"`b` has shape \(4,\)"):
+        logsumexp(jnp.zeros((2, 3)), b=jnp.ones(4))

@@ -1,0 +1,79 @@
+"""`jaxport.ops.rank` == torch's `x.sort(stable=True).indices.argsort()`, exactly.
+
+Both kernels (host numpy radix sort, used on CPU; XLA stable sort, used elsewhere) are checked
+against torch on the same inputs. Ranks are integers: the tolerance is zero.
+"""
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxport._errors import ConfigError
+from jaxport.ops import rank
+from jaxport.ops._rank import rank_impl
+
+from tests.test_ops_data import tricky, to_torch, torch_rank
+
+DTYPES = ["float32", "float16", "bfloat16", "int32", "int8", "uint8", "bool"]
+SHAPES_AXES = [((13,), 0), ((4, 37), -1), ((4, 37), 0), ((3, 5, 19), 1), ((3, 5, 19), -1)]
+
+
+@pytest.mark.parametrize("method", ["host", "xla"])
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,axis", SHAPES_AXES)
+def test_rank_matches_torch_double_sort(shape, axis, dtype, descending, method):
+    x = tricky(shape, dtype)
+    want = torch_rank(to_torch(x, dtype), axis, descending)
+    got = rank_impl(jnp.asarray(x), axis, descending, method=method)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_rank_public_jit_equals_eager_and_torch(descending):
+    x = tricky((6, 300), "float32", seed=1)
+    want = torch_rank(to_torch(x, "float32"), -1, descending)
+    eager = rank(x, descending=descending)
+    jitted = jax.jit(rank, static_argnames=("axis", "descending"))(x, descending=descending)
+    np.testing.assert_array_equal(np.asarray(eager), want)
+    np.testing.assert_array_equal(np.asarray(jitted), want)
+
+
+@pytest.mark.parametrize("method", ["auto", "host", "xla"])
+def test_rank_vmap_equals_loop(method):
+    x = tricky((5, 4, 23), "float32", seed=2)
+    f = lambda v: rank_impl(v, 0, True, method=method)  # noqa: E731
+    batched = jax.vmap(f, in_axes=1, out_axes=1)(x)
+    want = torch_rank(to_torch(x, "float32"), 0, True)
+    np.testing.assert_array_equal(np.asarray(batched), want)
+    # vmap of jit, and nested vmap.
+    nested = jax.vmap(jax.vmap(jax.jit(f), in_axes=1, out_axes=1), in_axes=1, out_axes=1)(x[:, :, None, :])
+    np.testing.assert_array_equal(np.asarray(nested)[:, :, 0], want)
+
+
+def test_rank_large_rows_use_threads_and_stay_exact():
+    # Enough work per call for the host kernel to split rows across threads.
+    x = tricky((40, 4000), "float32", seed=3)
+    want = torch_rank(to_torch(x, "float32"), -1, False)
+    np.testing.assert_array_equal(np.asarray(jax.jit(rank)(x)), want)
+
+
+def test_rank_compiles_once_per_shape():
+    f = jax.jit(chex.assert_max_traces(rank, n=1))
+    for seed in range(3):
+        f(tricky((3, 50), "float32", seed=seed))
+
+
+def test_rank_edge_shapes():
+    assert rank(jnp.zeros((3, 0))).shape == (3, 0)
+    assert int(rank(jnp.float32(2.0))) == 0
+    np.testing.assert_array_equal(np.asarray(rank(jnp.zeros((2, 1)), axis=1)), [[0], [0]])
+
+
+def test_rank_errors_name_the_argument():
+    with pytest.raises(ConfigError, match=r"`axis` \(=2\) is out of range .* \[-2, 1\]"):
+        rank(jnp.zeros((2, 3)), axis=2)
+    with pytest.raises(ConfigError, match="`x` has dtype complex64"):
+        rank(jnp.zeros(3, jnp.complex64))

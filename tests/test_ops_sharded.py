@@ -1,0 +1,92 @@
+"""The ops on arrays sharded over 8 simulated CPU devices (tests/conftest.py) give the
+unsharded (torch-exact) results, whether the batch axis or the ranked/reduced axis is split,
+and `logsumexp(..., axis_name=)` reduces across a mesh axis inside `jax.shard_map`.
+"""
+import jax
+import numpy as np
+import pytest
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxport.ops import hard_negative_mask, logsumexp
+from jaxport.ops._rank import rank_impl
+from jaxport.ops._topk import topk_mask_impl
+from tests.test_ops_data import tricky, to_torch, torch_rank
+
+SPLITS = {"rows": P("d", None), "ranked_axis": P(None, "d")}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (tests/conftest.py sets JAX_NUM_CPU_DEVICES=8)")
+    return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+@pytest.mark.parametrize("split", SPLITS)
+def test_rank_and_topk_sharded_equal_unsharded_and_torch(mesh, split, method):
+    x = tricky((16, 96), "float32", seed=7)
+    k = np.random.default_rng(7).integers(-2, 100, 16).astype(np.int32)
+    xs = jax.device_put(x, NamedSharding(mesh, SPLITS[split]))
+    ks = jax.device_put(k, NamedSharding(mesh, P("d") if split == "rows" else P()))
+    ranks = jax.jit(lambda x: rank_impl(x, -1, True, method=method))(xs)
+    mask = jax.jit(lambda x, k: topk_mask_impl(x, k, -1, True, method=method))(xs, ks)
+    want = torch_rank(to_torch(x, "float32"), -1, True)
+    np.testing.assert_array_equal(np.asarray(ranks), want)
+    np.testing.assert_array_equal(np.asarray(mask), want < k[:, None])
+    np.testing.assert_array_equal(np.asarray(rank_impl(x, -1, True, method=method)), np.asarray(ranks))
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_hard_negative_and_logsumexp_sharded_equal_unsharded(mesh, split):
+    rng = np.random.default_rng(8)
+    loss = rng.random((16, 96)).astype(np.float32)
+    positive = rng.random((16, 96)) < 0.1
+    sharding = NamedSharding(mesh, SPLITS[split])
+    ls, ps = jax.device_put(loss, sharding), jax.device_put(positive, sharding)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(hard_negative_mask)(ls, ps)), np.asarray(hard_negative_mask(loss, positive))
+    )
+    want = torch.logsumexp(torch.from_numpy(loss), 1).numpy()
+    np.testing.assert_allclose(np.asarray(jax.jit(lambda x: logsumexp(x, axis=1))(ls)), want, rtol=1e-6)
+
+
+def test_rank_inside_shard_map_per_device_rows(mesh):
+    x = tricky((16, 50), "float32", seed=9)
+    rows = P("d", None)
+    f = jax.jit(jax.shard_map(lambda v: rank_impl(v, -1, False), mesh=mesh, in_specs=rows, out_specs=rows))
+    np.testing.assert_array_equal(np.asarray(f(x)), torch_rank(to_torch(x, "float32"), -1, False))
+
+
+@pytest.mark.parametrize("with_b_where", [False, True])
+def test_logsumexp_axis_name_reduces_across_the_mesh(mesh, with_b_where):
+    rng = np.random.default_rng(10)
+    x = (rng.standard_normal((4, 64)) * 5).astype(np.float32)
+    x[1] = -np.inf  # an all -inf row across every shard
+    x[2, 3] = np.inf
+    b = rng.choice(np.array([-1.0, 0.5, 2.0], np.float32), size=x.shape) if with_b_where else np.ones_like(x)
+    where = rng.random(x.shape) < 0.8 if with_b_where else np.ones(x.shape, bool)
+
+    def local(x, b, where):  # classes split over 'd': one call reduces shard and mesh
+        return logsumexp(x, axis=-1, b=b, where=where, axis_name="d", return_sign=True)
+
+    spec = P(None, "d")
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=(P(), P())))
+    out, sign = f(x, b, where)
+    want, want_sign = logsumexp(x, axis=-1, b=b, where=where, return_sign=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(sign), np.asarray(want_sign))
+    if not with_b_where:
+        np.testing.assert_allclose(np.asarray(out), torch.logsumexp(torch.from_numpy(x), 1).numpy(), rtol=1e-6)
+
+
+def test_logsumexp_axis_name_gradient_is_softmax(mesh):
+    x = np.random.default_rng(11).standard_normal((3, 32)).astype(np.float32)
+    x[0] = -np.inf
+    f = jax.shard_map(lambda v: logsumexp(v, axis=-1, axis_name="d"), mesh=mesh, in_specs=P(None, "d"), out_specs=P())
+    g = jax.jit(jax.grad(lambda v: f(v).sum()))(x)
+    want = jax.nn.softmax(x[1:], axis=-1)
+    np.testing.assert_allclose(np.asarray(g[1:]), np.asarray(want), rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(g[0]), 0.0)  # all -inf: zero, not NaN

@@ -1,0 +1,161 @@
+"""`topk_mask` == torch's `x.sort(descending=largest, stable=True).indices.argsort() < k` and
+`hard_negative_mask` == torchvision's SSD hard-negative mining, exactly (boolean masks).
+
+Both kernels (host introselect on CPU, XLA bisection select elsewhere) are checked.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from jaxport._errors import ConfigError
+from jaxport.ops import hard_negative_mask, topk_mask
+from jaxport.ops._topk import topk_mask_impl
+from tests.test_ops_data import tricky, to_torch, torch_rank
+
+DTYPES = ["float32", "float16", "bfloat16", "int32", "uint8"]
+SHAPES_AXES = [((4, 37), -1), ((4, 37), 0), ((3, 5, 19), 1)]
+K_KINDS = ["per_slice", "zero", "n", "above_n", "negative", "middle"]
+
+
+def _k(kind: str, batch_shape, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    if kind == "per_slice":  # includes negative, 0, n and > n entries
+        return rng.integers(-3, n + 4, batch_shape).astype(np.int32)
+    return {"zero": 0, "n": n, "above_n": n + 5, "negative": -2, "middle": n // 2}[kind]
+
+
+def _torch_topk(x, dtype, k, axis, largest):
+    r = torch_rank(to_torch(x, dtype), axis, largest)
+    k = np.asarray(k)
+    return r < (np.expand_dims(k, axis) if k.ndim else k)
+
+
+@pytest.mark.parametrize("method", ["host", "xla"])
+@pytest.mark.parametrize("k_kind", K_KINDS)
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,axis", SHAPES_AXES)
+def test_topk_mask_matches_torch_rank_below_k(shape, axis, dtype, largest, k_kind, method):
+    x = tricky(shape, dtype)
+    batch_shape = tuple(s for i, s in enumerate(shape) if i != axis % len(shape))
+    k = _k(k_kind, batch_shape, shape[axis])
+    want = _torch_topk(x, dtype, k, axis, largest)
+    got = topk_mask_impl(jnp.asarray(x), k, axis, largest, method=method)
+    assert got.dtype == jnp.bool_
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_topk_mask_k_broadcasts_over_other_axes():
+    x = tricky((3, 4, 29), "float32", seed=4)
+    k = np.array([0, 5, 29], np.int32)[:, None]  # one k per leading index, broadcast over axis 1
+    want = _torch_topk(x, "float32", np.broadcast_to(k, (3, 4)), -1, True)
+    np.testing.assert_array_equal(np.asarray(topk_mask(x, k)), want)
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+def test_topk_mask_jit_and_vmap_equal_eager(method):
+    x = tricky((6, 4, 41), "float32", seed=5)
+    k = np.random.default_rng(0).integers(-1, 43, (6, 4)).astype(np.int32)
+    want = _torch_topk(x, "float32", k, -1, True)
+    f = lambda x, k: topk_mask_impl(x, k, -1, True, method=method)  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(f(x, k)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, k)), want)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(x, k)), want)
+    # k shared by the batch (unbatched under vmap), x batched.
+    shared = jax.vmap(f, in_axes=(0, None))(x, k[0])
+    np.testing.assert_array_equal(np.asarray(shared), _torch_topk(x, "float32", np.broadcast_to(k[0], (6, 4)), -1, True))
+
+
+def test_topk_mask_large_rows_use_threads_and_stay_exact():
+    x = tricky((40, 5000), "float32", seed=6)
+    k = np.random.default_rng(1).integers(0, 5000, 40).astype(np.int32)
+    want = _torch_topk(x, "float32", k, -1, True)
+    np.testing.assert_array_equal(np.asarray(jax.jit(topk_mask)(x, k)), want)
+
+
+def test_topk_mask_errors_name_the_argument():
+    x = jnp.zeros((2, 5))
+    with pytest.raises(ConfigError, match=r"`k` \(=1.5\) must be an int"):
+        topk_mask(x, 1.5)
+    with pytest.raises(ConfigError, match=r"`k` has shape \(3,\), which does not broadcast to \(2,\)"):
+        topk_mask(x, jnp.ones(3, jnp.int32))
+    with pytest.raises(ConfigError, match=r"`axis` \(=-3\)"):
+        topk_mask(x, 1, axis=-3)
+
+
+def torchvision_ssd_mining(cls_loss, foreground, ratio: int, stable: bool = False) -> torch.Tensor:
+    """torchvision/models/detection/ssd.py `SSDHead.compute_loss`, the mining lines written out.
+
+    torchvision sorts without `stable=True`, so it breaks ties in an unspecified order;
+    `stable=True` gives the tie order `hard_negative_mask` promises (index order).
+    """
+    num_foreground = foreground.sum(1, keepdim=True)
+    num_negative = ratio * num_foreground
+    negative_loss = cls_loss.clone()
+    negative_loss[foreground] = -float("inf")
+    values, idx = negative_loss.sort(dim=1, descending=True, stable=stable)
+    return idx.sort(1)[1] < num_negative
+
+
+def _ssd_case(seed: int, ratio: int, dtype: str, ties: bool):
+    rng = np.random.default_rng(seed)
+    rows, anchors = 6, 300
+    if ties:
+        loss = tricky((rows, anchors), dtype, seed=seed)
+        # SSD's losses are finite and >= 0; ties, +inf and NaN must not break the equality. A
+        # loss of -inf would tie with torchvision's -inf for positives (which then win by index).
+        loss = np.where(np.isneginf(np.asarray(loss, np.float32)), 7.0, loss).astype(loss.dtype)
+    else:  # cross-entropy-like losses: distinct, >= 0
+        loss = rng.permutation(rows * anchors).reshape(rows, anchors).astype(np.float32) / 97.0
+    num_pos = rng.integers(0, anchors // (ratio + 1) + 1, rows)  # k always fits
+    positive = np.zeros((rows, anchors), bool)
+    for i, p in enumerate(num_pos):
+        positive[i, rng.choice(anchors, p, replace=False)] = True
+    return loss, positive
+
+
+@pytest.mark.parametrize("ratio", [0, 1, 3])
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hard_negative_mask_matches_torchvision_ssd(seed, ties, ratio):
+    dtype = "bfloat16" if ties and seed else "float32"
+    loss, positive = _ssd_case(seed, ratio, dtype, ties)
+    # With ties only the stable variant of torchvision's code defines a unique answer.
+    want = torchvision_ssd_mining(to_torch(loss, dtype), torch.from_numpy(positive), ratio, stable=ties).numpy()
+    got = hard_negative_mask(loss, positive, ratio)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    jitted = jax.jit(hard_negative_mask, static_argnums=2)(loss, positive, ratio)
+    np.testing.assert_array_equal(np.asarray(jitted), want)
+    per_image = jax.vmap(lambda l, p: hard_negative_mask(l, p, ratio, axis=0))(loss, positive)
+    np.testing.assert_array_equal(np.asarray(per_image), want)
+
+
+def test_hard_negative_mask_never_selects_positives_when_k_does_not_fit():
+    loss = jnp.array([[5.0, 4.0, -jnp.inf, 2.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    positive = jnp.array([[True, True, True, False, False], [False, True, False, False, False]])
+    got = hard_negative_mask(loss, positive, neg_pos_ratio=3, axis=1)
+    # Row 0: k = min(9, 2) = 2, the two non-positives; row 1: k = min(3, 4) = 3, ties by index.
+    np.testing.assert_array_equal(np.asarray(got), [[0, 0, 0, 1, 1], [1, 0, 1, 1, 0]])
+    # The anchor axis may come first.
+    np.testing.assert_array_equal(np.asarray(hard_negative_mask(loss.T, positive.T, 3, axis=0)), np.asarray(got).T)
+
+
+def test_hard_negative_mask_errors_name_the_argument():
+    with pytest.raises(ConfigError, match=r"`neg_pos_ratio` \(=-1\) must be a non-negative int"):
+        hard_negative_mask(jnp.zeros((2, 4)), jnp.zeros((2, 4), bool), -1)
+    with pytest.raises(ConfigError, match=r"`positive` has shape \(3,\)"):
+        hard_negative_mask(jnp.zeros((2, 4)), jnp.zeros(3, bool))
+    with pytest.raises(ConfigError, match="`loss` has dtype int32"):
+        hard_negative_mask(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), bool))
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+def test_masked_loss_is_differentiable_through_the_mask(method):
+    # The SSD use: gradients flow to the selected losses; the mask itself is constant.
+    loss = jnp.array([[3.0, 1.0, 2.0, 5.0], [0.5, 4.0, 4.0, 1.0]])
+    f = lambda x: jnp.sum(jnp.where(topk_mask_impl(x, 2, -1, True, method=method), x, 0.0))  # noqa: E731
+    np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(f))(loss)), [[1, 0, 0, 1], [0, 1, 1, 0]])
+    g = jax.grad(lambda x: jnp.sum(jnp.where(hard_negative_mask(x, x > 4.5, 1), x, 0.0)))(loss)
+    np.testing.assert_array_equal(np.asarray(g), [[1, 0, 0, 0], [0, 0, 0, 0]])
