@@ -3,6 +3,7 @@
 The JAX side. It never imports torch; the PyTorch side lives in `torch_compat`.
 """
 from . import models as models
+from . import ops as ops
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ConfigError as ConfigError
 from ._errors import ConversionError as ConversionError
