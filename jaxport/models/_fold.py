@@ -15,7 +15,7 @@ import flax.linen as nn
 import numpy as np
 
 from .._errors import ConfigError
-from ._resnet import ARCHS, ResNet, _ConvLeaf
+from ._resnet import ARCHS, ResNet, _ConvLeaf, build
 
 
 class _NoNorm(nn.Module):
@@ -51,14 +51,7 @@ def build_folded(arch: str, **kwargs) -> FoldedResNet:
 
     Takes `num_classes` and `ResNet`'s other attributes (`dtype`, `replace_stride_with_dilation`, ...).
     """
-    if arch not in ARCHS:
-        raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
-    spec = ARCHS[arch]
-    for key, value in (("groups", spec.groups), ("width_per_group", spec.width_per_group)):
-        if key in kwargs and kwargs.pop(key) != value:
-            raise ConfigError(f"`{key}` is fixed to {value} by {arch}; use FoldedResNet(...) directly")
-    return FoldedResNet(block=spec.block, layers=spec.layers, groups=spec.groups,
-                        width_per_group=spec.width_per_group, **kwargs)
+    return build(arch, cls=FoldedResNet, **kwargs)
 
 
 def _pairs(arch: str) -> Iterator[tuple[tuple[str, ...], tuple[str, ...]]]:

@@ -283,16 +283,17 @@ class ResNet(nn.Module):
                 functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype))
 
 
-def _constructor(arch: str) -> Callable[..., ResNet]:
+def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]:
     spec = ARCHS[arch]
 
     def make(num_classes: int = 1000, **kwargs) -> ResNet:
         fixed = {"groups": spec.groups, "width_per_group": spec.width_per_group}
         for key, value in fixed.items():
             if key in kwargs and kwargs[key] != value:
-                raise ConfigError(f"`{key}` (={kwargs[key]}) is fixed to {value} by {arch}; use ResNet(...) directly")
+                raise ConfigError(
+                    f"`{key}` (={kwargs[key]}) is fixed to {value} by {arch}; use {cls.__name__}(...) directly")
             kwargs.pop(key, None)
-        return ResNet(block=spec.block, layers=spec.layers, num_classes=num_classes, **fixed, **kwargs)
+        return cls(block=spec.block, layers=spec.layers, num_classes=num_classes, **fixed, **kwargs)
 
     make.__name__ = make.__qualname__ = arch
     make.__doc__ = (
@@ -302,11 +303,14 @@ def _constructor(arch: str) -> Callable[..., ResNet]:
     return make
 
 
-def build(arch: str, **kwargs) -> ResNet:
-    """The Flax ResNet for a torchvision architecture name, e.g. `build("resnet50", num_classes=10)`."""
+def build(arch: str, *, cls: type[ResNet] = ResNet, **kwargs) -> ResNet:
+    """The Flax ResNet for a torchvision architecture name, e.g. `build("resnet50", num_classes=10)`.
+
+    `cls` builds a ResNet subclass instead (e.g. `FoldedResNet`, see `build_folded`).
+    """
     if arch not in ARCHS:
         raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
-    return _constructor(arch)(**kwargs)
+    return _constructor(arch, cls)(**kwargs)
 
 
 resnet18 = _constructor("resnet18")
