@@ -54,20 +54,31 @@ def test_replace_stride_with_dilation_matches_torchvision(dilation):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
 
 
+def _small(block, **kwargs):
+    """A one-block-per-stage ResNet: the same layers as the named archs, a fraction of the cost."""
+    from torchvision.models.resnet import BasicBlock as TBasic
+    from torchvision.models.resnet import Bottleneck as TBottleneck
+    from torchvision.models.resnet import ResNet as TResNet
+
+    ours = models.ResNet(block=block, layers=(1, 1, 1, 1), **kwargs)
+    variables = jax.jit(ours.init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    ref = TResNet(TBottleneck if block == "bottleneck" else TBasic, [1, 1, 1, 1], **kwargs).state_dict()
+    return variables, ref
+
+
 def test_zero_init_residual_zeroes_last_bn_scale_like_torchvision():
-    variables = jax.jit(models.resnet50(zero_init_residual=True).init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    ref = torchvision.models.resnet50(zero_init_residual=True).state_dict()
+    variables, ref = _small("bottleneck", zero_init_residual=True)
     assert not np.any(variables["params"]["layer1"]["0"]["bn3"]["scale"])
     assert not torch.any(ref["layer1.0.bn3.weight"])
     assert np.all(variables["params"]["layer1"]["0"]["bn2"]["scale"] == 1)
-    basic = jax.jit(models.resnet18(zero_init_residual=True).init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    assert not np.any(basic["params"]["layer2"]["1"]["bn2"]["scale"])
+    basic, ref = _small("basic", zero_init_residual=True)
+    assert not np.any(basic["params"]["layer2"]["0"]["bn2"]["scale"])
+    assert not torch.any(ref["layer2.0.bn2.weight"])
 
 
 def test_fresh_init_is_distributed_like_torchvision():
     """kaiming_normal(fan_out) convs and nn.Linear's uniform fc, as torchvision initialises."""
-    variables = jax.jit(models.resnet50().init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    ref = torchvision.models.resnet50().state_dict()
+    variables, ref = _small("bottleneck")
     ours = variables["params"]["layer3"]["0"]["conv2"]["kernel"]
     assert np.std(ours) == pytest.approx(ref["layer3.0.conv2.weight"].std().item(), rel=0.05)
     fc = variables["params"]["fc"]
