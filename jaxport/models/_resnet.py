@@ -107,15 +107,22 @@ class _ConvLeaf(nn.Module):
         )
         bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        y = jax.lax.conv_general_dilated(
-            x,
-            kernel,
-            window_strides=(self.stride, self.stride),
-            padding=((pad, pad), (pad, pad)),
-            rhs_dilation=(self.dilation, self.dilation),
-            dimension_numbers=("NHWC", "HWIO", "NHWC"),
-            feature_group_count=self.groups,
-        )
+        if k == 1 and self.groups == 1:
+            # A 1x1 conv is a matmul over channels of the strided input. XLA:CPU runs it about
+            # 2x faster as a dot than as a convolution, forward and backward (ResNet-50's
+            # bottleneck and downsample layers); same products, summed in another order.
+            s = self.stride
+            y = jnp.einsum("nhwc,co->nhwo", x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
+        else:
+            y = jax.lax.conv_general_dilated(
+                x,
+                kernel,
+                window_strides=(self.stride, self.stride),
+                padding=((pad, pad), (pad, pad)),
+                rhs_dilation=(self.dilation, self.dilation),
+                dimension_numbers=("NHWC", "HWIO", "NHWC"),
+                feature_group_count=self.groups,
+            )
         return y if bias is None else y + bias
 
 
