@@ -103,10 +103,11 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in open(metrics_path)]
-    ep = [r["epoch"] for r in rows]
+    ep = [r["epoch"] + 1 for r in rows]  # 1-based, as the log lines count them
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
     a.plot(ep, [r["val_loss"] for r in rows], "o-", label="val")
+    a.set_yscale("log")  # the first epoch's val loss (BatchNorm statistics still settling) can be 100x the rest
     a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
     b.plot(ep, [r["train_acc"] for r in rows], "o-", label="train")
     b.plot(ep, [r["val_acc"] for r in rows], "o-", label="val")
