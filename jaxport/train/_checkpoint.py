@@ -26,7 +26,10 @@ def checkpoint_dir(workdir: str) -> str:
 def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
                                            enable_async_checkpointing=False)
-    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_names=("state", "meta"))
+    # Handlers named up front: `item_metadata` (used by `load_workdir`) then knows how to read
+    # each item instead of warning that it "could not be restored".
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:

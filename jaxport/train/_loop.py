@@ -103,10 +103,11 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     import matplotlib.pyplot as plt
 
     rows = [json.loads(line) for line in open(metrics_path)]
-    ep = [r["epoch"] for r in rows]
+    ep = [r["epoch"] + 1 for r in rows]  # 1-based, as the log lines count them
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
     a.plot(ep, [r["val_loss"] for r in rows], "o-", label="val")
+    a.set_yscale("log")  # the first epoch's val loss (BatchNorm statistics still settling) can be 100x the rest
     a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
     b.plot(ep, [r["train_acc"] for r in rows], "o-", label="train")
     b.plot(ep, [r["val_acc"] for r in rows], "o-", label="val")
@@ -211,61 +212,66 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         f"{'synchronised' if cfg.sync_bn else 'per device'}")
     result: dict = {}
     gstep = start
-    while gstep < last_step:
-        epoch, offset = divmod(gstep, steps_per_epoch)
-        stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
-        order = _data.epoch_order(cfg.seed, epoch, data.train.num_examples)
-        sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
-        pending = []
-        bar = None
-        if lead and cfg.progress:
-            from tqdm import tqdm
+    bar = None
+    # Dispatch is asynchronous: XLA's RESOURCE_EXHAUSTED surfaces where a result is waited for
+    # (device_get, evaluation, checkpointing), so the whole loop is covered, not one call.
+    try:
+        while gstep < last_step:
+            epoch, offset = divmod(gstep, steps_per_epoch)
+            stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
+            order = _data.epoch_order(cfg.seed, epoch, data.train.num_examples)
+            sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
+            pending = []
+            bar = None
+            if lead and cfg.progress:
+                from tqdm import tqdm
 
-            bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       unit="step", dynamic_ncols=True, file=sys.stderr)
-        t0, seen = time.perf_counter(), 0
-        loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
-        for s, (x, y) in enumerate(loader, start=offset):
-            try:
+                bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                           unit="step", dynamic_ncols=True, file=sys.stderr)
+            t0, seen = time.perf_counter(), 0
+            loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
+            for s, (x, y) in enumerate(loader, start=offset):
                 state, m = step_fn(state, *shard_batch(mesh, x, y))
-            except Exception as e:  # noqa: BLE001
-                if _memory.is_out_of_memory(e):
-                    raise _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) from None
-                raise
-            pending.append(m)
-            gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
-            if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop:
-                got = jax.device_get(pending)
-                sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
-                pending = []
+                pending.append(m)
+                gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
+                if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop:
+                    got = jax.device_get(pending)
+                    sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
+                    pending = []
+                    if bar is not None:
+                        rate = seen / (time.perf_counter() - t0)
+                        bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{sums[1] / sums[2]:.3f}", img_s=f"{rate:.0f}")
                 if bar is not None:
-                    rate = seen / (time.perf_counter() - t0)
-                    bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{sums[1] / sums[2]:.3f}", img_s=f"{rate:.0f}")
+                    bar.update(1)
+                if gstep % cfg.checkpoint_every == 0 and s + 1 != steps_per_epoch:
+                    meta["epoch_sums"] = sums.tolist()
+                    _checkpoint.save(mngr, gstep, state, meta)
+            elapsed = time.perf_counter() - t0
             if bar is not None:
-                bar.update(1)
-            if gstep % cfg.checkpoint_every == 0 and s + 1 != steps_per_epoch:
+                bar.close()
+            if stop < steps_per_epoch:  # max_steps reached mid-epoch
                 meta["epoch_sums"] = sums.tolist()
-                _checkpoint.save(mngr, gstep, state, meta)
-        elapsed = time.perf_counter() - t0
+                if mngr.latest_step() != gstep:
+                    _checkpoint.save(mngr, gstep, state, meta)
+                break
+            row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
+                   "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
+                   "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
+            row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
+            meta["epoch_sums"] = [0.0, 0.0, 0.0]
+            _checkpoint.save(mngr, gstep, state, meta)
+            if lead:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+                    f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+            result = row
+    except Exception as e:  # noqa: BLE001 - only out-of-memory is translated; the rest propagates
         if bar is not None:
-            bar.close()
-        if stop < steps_per_epoch:  # max_steps reached mid-epoch
-            meta["epoch_sums"] = sums.tolist()
-            if mngr.latest_step() != gstep:
-                _checkpoint.save(mngr, gstep, state, meta)
-            break
-        row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
-               "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
-               "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
-        row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
-        meta["epoch_sums"] = [0.0, 0.0, 0.0]
-        _checkpoint.save(mngr, gstep, state, meta)
-        if lead:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-                f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
-        result = row
+            bar.close()  # end the progress line so the error starts on its own
+        if not _memory.is_out_of_memory(e):
+            raise
+        raise _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) from None
     if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     mngr.close()
@@ -280,14 +286,24 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
 
 
 def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMemoryError:
-    """The out-of-memory message with a per-device batch XLA predicts to fit."""
+    """The out-of-memory message, naming a per-device batch XLA's memory analysis predicts fits.
+
+    The batch that failed did not fit whatever the analysis says of it (other processes,
+    fragmentation), so the suggestion is at least 1/8 smaller and must need less than it.
+    """
+    per_device = batch // n_dev
+    where = f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {per_device} per device)"
     try:
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         state = create_state(variables, tx, mesh)
-        fits = _memory.largest_batch(make_train_step(model, tx, mesh, donate=False), state, mesh, cfg.image_size,
-                                     limit, max_per_device=max(1, batch // n_dev - 1), log=lambda m: None)
-        hint = f"use --batch-size {fits * n_dev} ({fits} per device), which XLA's memory analysis predicts fits"
+        step = make_train_step(model, tx, mesh, donate=False)
+        failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
+        fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
+                                     max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None)
+    except _memory.OutOfMemoryError as e:  # not even one image per device
+        return _memory.OutOfMemoryError(f"{where}; {e}")
     except Exception:  # noqa: BLE001 - the hint is best effort
-        hint = "use a smaller --batch-size or --batch-size auto"
+        return _memory.OutOfMemoryError(f"{where}; use a smaller --batch-size, or --batch-size auto")
     return _memory.OutOfMemoryError(
-        f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {batch // n_dev} per device); {hint}")
+        f"{where}; use --batch-size {fits * n_dev} ({fits} per device), which XLA's memory analysis predicts fits "
+        f"(the failed one: {failed / 2**20:.0f} MiB per device)")

@@ -48,28 +48,37 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
     Raises:
       OutOfMemoryError: not even a batch of 1 per device fits.
     """
-    m1 = step_bytes(step, state, mesh, 1, image_size)
+    known: dict[int, int] = {}
+
+    def need(b: int) -> int:  # each size is compiled once (a compilation takes seconds)
+        if b not in known:
+            known[b] = step_bytes(step, state, mesh, b, image_size)
+        return known[b]
+
+    m1 = need(1)
     if m1 > limit_bytes:
         raise OutOfMemoryError(f"a batch of 1 per device needs {m1 / 2**20:.0f} MiB, more than the "
                                f"{limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model")
-    m2 = step_bytes(step, state, mesh, 2, image_size)
-    per_example = max(m2 - m1, 1)
-    b = int(min(max_per_device, 1 + (limit_bytes - m1) // per_example))
-    b = b // 8 * 8 if b >= 16 else b
-    need = step_bytes(step, state, mesh, b, image_size) if b > 1 else m1
-    while b > 1 and need > limit_bytes:  # the prediction was optimistic: step down
-        b = max(1, int(b * limit_bytes / need) // 8 * 8 if b > 16 else b - 1)
-        need = step_bytes(step, state, mesh, b, image_size) if b > 1 else m1
+    if max_per_device <= 1:
+        b = 1
+    else:
+        per_example = max(need(2) - m1, 1)
+        b = int(min(max_per_device, 1 + (limit_bytes - m1) // per_example))
+        b = b // 8 * 8 if b >= 16 else b
+    while b > 1 and need(b) > limit_bytes:  # the prediction was optimistic: step down
+        b = max(1, int(b * limit_bytes / need(b)) // 8 * 8 if b > 16 else b - 1)
     while b < max_per_device:  # memory is not exactly affine: confirm the next size does not fit
         up = min(max_per_device, b + 1 if b < 16 else b + 8)
-        need_up = step_bytes(step, state, mesh, up, image_size)
-        if need_up > limit_bytes:
+        if need(up) > limit_bytes:
             break
-        b, need = up, need_up
-    log(f"--batch-size auto: {b} per device ({need / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
+        b = up
+    log(f"--batch-size auto: {b} per device ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
         "from XLA's memory analysis)")
     return b
 
 
 def is_out_of_memory(err: BaseException) -> bool:
+    """Whether `err` is XLA running out of device memory (a RESOURCE_EXHAUSTED runtime error)."""
+    if isinstance(err, JaxportError):
+        return False
     return "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err)
