@@ -43,18 +43,7 @@ def load_init(path: str, arch: str) -> dict:
         # The torch side: loading a torch checkpoint needs torch, via torch_compat only.
         import torch_compat
 
-        load = getattr(torch_compat, "load_state_dict", None)
-        if load is not None:
-            state_dict = load(path)
-        else:  # until the safe loader lands: weights-only torch.load
-            import torch
-
-            try:
-                state_dict = torch.load(path, map_location="cpu", weights_only=True)
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"`--init` (={path}) cannot be read as a torch checkpoint: {e}") from None
-            state_dict = state_dict.get("state_dict", state_dict) if isinstance(state_dict, dict) else state_dict
-            state_dict = {k.removeprefix("module."): v for k, v in state_dict.items()}
+        state_dict = torch_compat.load_state_dict(path)  # safe: weights-only, wrappers unwrapped
         found = torch_compat.detect_arch(state_dict)
         if found != arch:
             raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")
