@@ -179,3 +179,17 @@ def test_batch_size_auto_from_memory_analysis():
     assert "4 per device" in messages[0]
     with pytest.raises(OutOfMemoryError, match="a batch of 1 per device needs"):
         largest_batch(step, state, mesh, 8, 1000)
+
+
+@pytest.mark.slow
+def test_default_digits_run_reaches_95_percent(tmp_path):
+    """The issue's claim, as a user runs it: `jaxport train` with every default, one device."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+    env["PYTHONPATH"] = root
+    proc = subprocess.run([sys.executable, "-m", "jaxport", "train", "--workdir", str(tmp_path / "run"),
+                           "--no-progress"], capture_output=True, text=True, env=env, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(rows) == 6 and rows[-1]["val_acc"] >= 0.95, rows[-1]
+    assert (tmp_path / "run" / "training_curves.png").stat().st_size > 10_000
