@@ -7,7 +7,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_jax_side_does_not_import_torch():
-    code = ("import sys, jaxport, jaxport.models, jaxport._io, jaxport._cli\n"
+    code = ("import sys, jaxport, jaxport.models, jaxport.ops, jaxport.train, jaxport._io, jaxport._cli\n"
             "v = jaxport.models.resnet18()\n"
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'torchvision', 'torch_compat')))\n"
             "assert not bad, bad\n")
