@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from jaxport._errors import ConversionError
+from jaxport._io import flatten
 from jaxport.models import ARCHS, ResNetSpec
 
 # torch tensor name -> (Flax collection, Flax leaf name, axis permutation torch -> Flax or None)
@@ -315,7 +316,7 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, 
       ConversionError: listing every missing, unexpected and wrong-shape variable.
     """
     _spec(arch)
-    flat = _flatten(variables)
+    flat = flatten(variables)
     fc = flat.get("params/fc/kernel")
     num_classes = int(np.shape(fc)[1]) if fc is not None and np.ndim(fc) == 2 else 1000
     entries = table(arch, num_classes)
@@ -332,17 +333,6 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, 
         t = _to_torch(a)
         out[e.torch_key] = t.to(torch.int64) if e.flax_path[-1] == "num_batches_tracked" else t
     return out
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping):
-            flat.update(_flatten(v, key + "/"))
-        else:
-            flat[key] = v
-    return flat
 
 
 def num_classes_of(state_dict: Mapping[str, Any]) -> int:

@@ -126,8 +126,8 @@ class _ConvLeaf(nn.Module):
         return y if bias is None else y + bias
 
 
-class BasicBlock(nn.Module):
-    """torchvision's BasicBlock: conv3x3(stride) -> bn -> relu -> conv3x3 -> bn, + identity."""
+class _Block(nn.Module):
+    """What torchvision's BasicBlock and Bottleneck are both constructed with."""
 
     planes: int
     stride: int = 1
@@ -138,6 +138,10 @@ class BasicBlock(nn.Module):
     norm: Callable = BatchNorm
     conv: Callable = _ConvLeaf
     zero_init_residual: bool = False
+
+
+class BasicBlock(_Block):
+    """torchvision's BasicBlock: conv3x3(stride) -> bn -> relu -> conv3x3 -> bn, + identity."""
 
     expansion = 1
 
@@ -157,18 +161,8 @@ class BasicBlock(nn.Module):
         return nn.relu(out + x)
 
 
-class Bottleneck(nn.Module):
+class Bottleneck(_Block):
     """torchvision's Bottleneck (ResNet v1.5: the stride sits on the 3x3 conv)."""
-
-    planes: int
-    stride: int = 1
-    downsample: bool = False
-    groups: int = 1
-    base_width: int = 64
-    dilation: int = 1
-    norm: Callable = BatchNorm
-    conv: Callable = _ConvLeaf
-    zero_init_residual: bool = False
 
     expansion = 4
 
