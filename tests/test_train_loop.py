@@ -69,6 +69,15 @@ def test_train_digits_export_and_metrics(tmp_path):
     assert result["val_acc"] == rows[0]["val_acc"]
 
     variables, arch = load_workdir(str(tmp_path))
+    # The final weights file (jaxport's variables format) equals the last checkpoint, bit for bit.
+    from jaxport import load_variables, read_metadata
+    from jaxport._io import flatten
+    from jaxport.train._loop import FINAL_VARIABLES
+
+    final = tmp_path / FINAL_VARIABLES
+    assert read_metadata(final)["arch"] == arch
+    ours, ckpt = flatten(load_variables(final)), flatten(variables)
+    assert ours.keys() == ckpt.keys() and all(np.array_equal(ours[k], ckpt[k]) for k in ckpt)
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(flax_to_torch(variables, arch), strict=True)
     # torch and JAX agree on predictions for the exported weights

@@ -14,11 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import ConfigError
+from .._io import atomic_path, save_variables
 from ..models import ARCHS, build
 from . import _checkpoint, _data, _distributed, _memory
 from ._init import fit_head, load_init
 from ._optim import cosine_annealing_lr, per_epoch, sgd
 from ._step import check_batch_size, create_state, make_eval_step, make_mesh, make_train_step, shard_batch
+
+FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
 
 
 @dataclasses.dataclass
@@ -113,10 +116,9 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     b.plot(ep, [r["val_acc"] for r in rows], "o-", label="val")
     b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.legend(), b.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = out_path + ".tmp.png"
-    fig.savefig(tmp, dpi=100)
+    with atomic_path(out_path) as tmp:
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, out_path)
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
@@ -201,9 +203,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     if lead and os.path.exists(metrics_path):  # drop epochs the resumed run will redo
         done = start // steps_per_epoch
         rows = [r for r in (json.loads(x) for x in open(metrics_path)) if r["epoch"] < done]
-        with open(metrics_path + ".tmp", "w") as f:
+        with atomic_path(metrics_path) as tmp, open(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        os.replace(metrics_path + ".tmp", metrics_path)
 
     last_step = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, steps_per_epoch * cfg.epochs)
     say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
@@ -275,12 +276,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     mngr.close()
-    if lead:  # topology-independent copy of the final weights (replicated: any shard is the value)
-        flat = {"/".join(str(k.key) for k in path): np.asarray(x.addressable_shards[0].data)
-                for path, x in jax.tree_util.tree_flatten_with_path(state.variables)[0]}
-        tmp = os.path.join(cfg.workdir, "variables.tmp.npz")
-        np.savez(tmp, **flat)
-        os.replace(tmp, os.path.join(cfg.workdir, "variables.npz"))
+    if lead:  # the final weights in jaxport's variables format, readable whatever the topology
+        # (replicated, so this process's first shard is the value); `jaxport export`, `verify`
+        # and `--init` read it like any ported file.
+        final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.variables)
+        save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch)
     result["state"] = state
     return result
 
