@@ -15,6 +15,11 @@ import os
 import numpy as np
 
 _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
+# Threads pay off only when each numpy call holds the GIL-free part long enough: `topk_rows`
+# makes one short partition call per row, and with rows of 8732 keys (~4 us each) two threads
+# spent their time handing the GIL back and forth (2 threads: 0.54 ms, 1 thread: 0.38 ms at
+# (32, 8732); equal at (256, 8732); at (1024, 32768) 2 threads win, 44 ms against 78 ms).
+_MIN_TOPK_ROW_FOR_THREADS = 1 << 14
 
 
 def _threads() -> int:
@@ -26,9 +31,10 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(_threads(), thread_name_prefix="jaxport-ops")
 
 
-def _parallel_rows(fn, rows: int, n: int) -> None:
+def _parallel_rows(fn, rows: int, n: int, threads: int | None = None) -> None:
     """Calls fn(lo, hi) over contiguous row blocks, in parallel when the work is large enough."""
-    chunks = min(_threads(), rows, max(1, rows * n // _MIN_WORK_PER_THREAD))
+    threads = _threads() if threads is None else threads
+    chunks = min(threads, rows, max(1, rows * n // _MIN_WORK_PER_THREAD))
     if chunks <= 1:
         fn(0, rows)
         return
@@ -38,14 +44,30 @@ def _parallel_rows(fn, rows: int, n: int) -> None:
         f.result()
 
 
-def rank_rows(key: np.ndarray) -> np.ndarray:
-    """Stable rank along the last axis of unsigned keys (any leading shape) -> int32."""
+def _rows_view(out: np.ndarray | None, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(out, out as (rows, n)): a new array if `out` is None, else a view that writes into it."""
+    if out is None:
+        out = np.empty(shape, dtype)
+    if out.shape != shape or out.dtype != dtype:
+        raise ValueError(f"out has {out.shape} {out.dtype}, expected {shape} {np.dtype(dtype)}")
+    if out.size == 0:
+        return out, out
+    rows = out.view()
+    rows.shape = (-1, shape[-1])  # raises rather than silently writing into a copy
+    return out, rows
+
+
+def rank_rows(key: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Stable rank along the last axis of unsigned keys (any leading shape) -> int32.
+
+    Writes into `out` (int32, `key`'s shape) when given, else into a new array.
+    """
     key = np.asarray(key)
     n = key.shape[-1]
     k2 = key.reshape(-1, n)
-    out = np.empty(k2.shape, np.int32)
+    out, rows = _rows_view(out, key.shape, np.int32)
     if n == 0 or k2.shape[0] == 0:
-        return out.reshape(key.shape)
+        return out
     iota = np.arange(n, dtype=np.int32)
 
     def work(lo: int, hi: int) -> None:
@@ -59,21 +81,24 @@ def rank_rows(key: np.ndarray) -> np.ndarray:
                 perm = p1[p2]
             else:
                 perm = np.argsort(row, kind="stable")
-            out[i, perm] = iota  # the inverse permutation: rank[perm[j]] = j
+            rows[i, perm] = iota  # the inverse permutation: rank[perm[j]] = j
 
     _parallel_rows(work, k2.shape[0], n)
-    return out.reshape(key.shape)
+    return out
 
 
-def topk_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """mask[i, j] = rank of key[i, j] among row i (stable, ascending) < k[i]; k in [0, n]."""
+def topk_rows(key: np.ndarray, k: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """mask[i, j] = rank of key[i, j] among row i (stable, ascending) < k[i]; k in [0, n].
+
+    Writes into `out` (bool, `key`'s shape) when given, else into a new array.
+    """
     key = np.asarray(key)
     n = key.shape[-1]
     k2 = key.reshape(-1, n)
     kk = np.broadcast_to(np.asarray(k), key.shape[:-1]).reshape(-1)
-    out = np.zeros(k2.shape, np.bool_)
+    out, rows = _rows_view(out, key.shape, np.bool_)
     if n == 0 or k2.shape[0] == 0:
-        return out.reshape(key.shape)
+        return out
 
     def work(lo: int, hi: int) -> None:
         block, kb = k2[lo:hi], np.clip(kk[lo:hi], 0, n)
@@ -84,7 +109,7 @@ def topk_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
             if 0 < ki:
                 scratch[i].partition(ki - 1)
                 t[i] = scratch[i, ki - 1]
-        o = out[lo:hi]
+        o = rows[lo:hi]
         np.less_equal(block, t[:, None], out=o)
         o[kb == 0] = False
         # Rows with more keys equal to the threshold than needed keep the first ones in index
@@ -95,5 +120,5 @@ def topk_rows(key: np.ndarray, k: np.ndarray) -> np.ndarray:
             need = int(kb[i]) - int(np.count_nonzero(o[i]))
             o[i, np.flatnonzero(row == ti)[:need]] = True
 
-    _parallel_rows(work, k2.shape[0], n)
-    return out.reshape(key.shape)
+    _parallel_rows(work, k2.shape[0], n, None if n >= _MIN_TOPK_ROW_FOR_THREADS else 1)
+    return out

@@ -1,0 +1,64 @@
+"""The host-kernel plumbing behind `rank` / `topk_mask` on CPU.
+
+On the CPU backend the kernels write straight into XLA's output buffer (`buffer_callback`);
+older jax or other backends fall back to `jax.pure_callback`. Both must give torch's answer,
+and a kernel handed an `out` buffer must overwrite every element of it (XLA's buffers are not
+zeroed).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxport.ops import _callback, _host, rank, topk_mask
+from jaxport.ops._keys import order_key
+
+from tests.test_ops_data import to_torch, torch_rank, tricky
+
+
+@pytest.mark.parametrize("shape", [(7, 300), (3, 20000), (2, 3, 50)])
+def test_host_kernels_overwrite_every_element_of_out(shape):
+    x = tricky(shape, "float32", seed=4)
+    key = np.asarray(order_key(jnp.asarray(x), descending=True))
+    k = np.random.default_rng(0).integers(0, shape[-1] + 1, shape[:-1])
+    want_rank = torch_rank(to_torch(x, "float32"), -1, True)
+
+    out = np.full(shape, -7, np.int32)
+    assert _host.rank_rows(key, out=out) is out
+    np.testing.assert_array_equal(out, want_rank)
+
+    for poison in (True, False):
+        mask = np.full(shape, poison)
+        assert _host.topk_rows(key, k, out=mask) is mask
+        np.testing.assert_array_equal(mask, want_rank < k[..., None])
+
+
+def test_host_kernels_refuse_an_out_of_the_wrong_shape():
+    key = np.zeros((3, 5), np.uint32)
+    with pytest.raises(ValueError, match=r"\(3, 5\)"):
+        _host.rank_rows(key, out=np.empty((5, 3), np.int32))
+
+
+@pytest.mark.parametrize("bridge", ["buffer_callback", "pure_callback"])
+def test_both_callback_bridges_match_torch_under_jit_and_vmap(bridge, monkeypatch):
+    if bridge == "pure_callback":
+        monkeypatch.setattr(_callback, "_buffer_callback", None)
+    elif _callback._buffer_callback is None:
+        pytest.skip("this jax has no jax.experimental.buffer_callback")
+    x = tricky((4, 6, 40), "float32", seed=5)
+    k = np.arange(4 * 6).reshape(4, 6) % 41
+    want = torch_rank(to_torch(x, "float32"), -1, True)
+
+    got_rank = jax.jit(lambda v: rank(v, descending=True))(x)
+    np.testing.assert_array_equal(np.asarray(got_rank), want)
+    got_mask = jax.vmap(jax.jit(topk_mask))(jnp.asarray(x), jnp.asarray(k))
+    np.testing.assert_array_equal(np.asarray(got_mask), want < k[..., None])
+
+
+def test_topk_mask_long_rows_split_across_threads_stay_exact():
+    # Rows this long make the host kernel split them across its thread pool.
+    x = tricky((6, 20000), "float32", seed=6)
+    assert x.shape[-1] >= _host._MIN_TOPK_ROW_FOR_THREADS
+    k = np.array([0, 1, 5000, 19999, 20000, 123])
+    want = torch_rank(to_torch(x, "float32"), -1, True) < k[:, None]
+    np.testing.assert_array_equal(np.asarray(jax.jit(topk_mask)(x, jnp.asarray(k))), want)
