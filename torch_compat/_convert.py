@@ -7,7 +7,10 @@ wrong-shape key at once. Keys are never guessed by trying renames.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import os
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping
 
@@ -209,34 +212,50 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+# Source rows (torch's output-channel axis) copied per block. Each block's transposed copy
+# reads _BLOCK_ROWS source rows at once and writes runs of _BLOCK_ROWS contiguous elements, so
+# the rows it reads stay in L1 until every element of their cache lines is used. Measured on
+# ResNet-50's convs (2 cores): 32-64 rows fastest; numpy's unblocked transposed copy was 3x
+# slower, and torch's blocked 2-D `copy_` plus a second pass for 3x3 kernels ~1.2x slower.
+_BLOCK_ROWS = 32
+# Tensors bigger than this are converted on the thread pool (numpy releases the GIL while it
+# copies); smaller ones cost less than the hand-off.
+_PARALLEL_MIN_BYTES = 1 << 16
+
+
 def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
     """`np.ascontiguousarray(_to_numpy(t).transpose(perm))`, bit for bit, in a fraction of the time.
 
-    numpy copies a transposed weight element by element, reading with a stride of a whole row: a
-    cache miss per element (about 70 ms of ResNet-50's 100 ms conversion). torch copies a
-    transposed 2-D tensor into a contiguous one with a cache-blocked kernel instead, so both
-    layout changes are written as one such 2-D transpose: a linear (O, I) -> (I, O) directly,
-    a conv OIHW viewed as (O, I*H*W) -> (I, H*W, O), then H*W moves in front of I by copying
-    contiguous rows of O elements (nothing to do for 1x1 kernels).
+    For the converter's layouts (conv OIHW -> HWIO, linear (O, I) -> (I, O)) torch's axis 0
+    becomes the output's last axis. numpy copies a transposed array element by element, reading
+    with the stride of a whole row: a cache miss per element. Copying `_BLOCK_ROWS` source rows
+    at a time keeps those rows in cache instead. bfloat16 is copied as its uint16 bits.
     """
-    t = t.detach().cpu()
-    if perm == (1, 0):
-        return _to_numpy(_transposed_2d(t))
-    if perm == _OIHW_TO_HWIO:
-        o, i, h, w = t.shape
-        a = _to_numpy(_transposed_2d(t.reshape(o, i * h * w)))  # (I*H*W, O)
-        if h * w == 1:
-            return a.reshape(h, w, i, o)
-        out = np.empty((h * w, i, o), a.dtype)
-        out[...] = a.reshape(i, h * w, o).transpose(1, 0, 2)
-        return out.reshape(h, w, i, o)
-    return np.ascontiguousarray(_to_numpy(t).transpose(perm))
+    a = _to_numpy(t)
+    if perm != _OIHW_TO_HWIO and perm != (1, 0):
+        return np.ascontiguousarray(a.transpose(perm))
+    bits = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
+    out = np.empty(_permuted(bits.shape, perm), bits.dtype)
+    for lo in range(0, bits.shape[0], _BLOCK_ROWS):
+        out[..., lo : lo + _BLOCK_ROWS] = bits[lo : lo + _BLOCK_ROWS].transpose(perm)
+    return out.view(a.dtype) if bits is not a else out
 
 
-def _transposed_2d(t: torch.Tensor) -> torch.Tensor:
-    # `copy_` from a transposed view into a contiguous tensor takes torch's blocked transpose.
-    out = torch.empty((t.shape[1], t.shape[0]), dtype=t.dtype)
-    return out.copy_(t.t())
+@functools.lru_cache(maxsize=None)  # one small pool per process, created on first use
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return concurrent.futures.ThreadPoolExecutor(max(1, min(threads, 8)), thread_name_prefix="jaxport-convert")
+
+
+def _convert_tensor(e: "Entry", t: torch.Tensor | None) -> np.ndarray:
+    if t is None:  # optional counter, absent from very old checkpoints
+        return np.zeros((), np.int32)
+    a = _permuted_copy(t, e.perm) if e.perm is not None else np.array(_to_numpy(t), copy=True)
+    return a.astype(np.int32) if e.flax_path[-1] == "num_batches_tracked" else a
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _to_torch(a: Any) -> torch.Tensor:
@@ -283,17 +302,18 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
     entries = table(arch, num_classes)
     _check(arch, entries, {k: tuple(v.shape) for k, v in state_dict.items()}, "torch_key",
            _looks_like(state_dict), "the state_dict's weights")
+    # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
+    # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.
+    def convert(e: Entry):
+        return _convert_tensor(e, state_dict.get(e.torch_key))
+
+    big = [e for e in entries if e.torch_key in state_dict and _nbytes(state_dict[e.torch_key]) >= _PARALLEL_MIN_BYTES]
+    big.sort(key=lambda e: -_nbytes(state_dict[e.torch_key]))  # largest first balances the threads
+    futures = {e.torch_key: _pool().submit(convert, e) for e in big} if len(big) > 1 else {}
     out: dict[str, dict] = {"params": {}, "batch_stats": {}}
     for e in entries:
-        t = state_dict.get(e.torch_key)
-        if t is None:  # optional counter, absent from very old checkpoints
-            a = np.zeros((), np.int32)
-        elif e.perm is not None:
-            a = _permuted_copy(t, e.perm)
-        else:
-            a = np.array(_to_numpy(t), copy=True)
-        if e.flax_path[-1] == "num_batches_tracked":
-            a = a.astype(np.int32)
+        f = futures.get(e.torch_key)
+        a = f.result() if f is not None else convert(e)
         node = out[e.collection]
         for name in e.flax_path[:-1]:
             node = node.setdefault(name, {})
