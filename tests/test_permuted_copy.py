@@ -19,6 +19,9 @@ SHAPES = [
     ((3, 5, 3, 3), (2, 3, 1, 0)),  # under torch's blocked-transpose size threshold
     ((0, 3, 3, 3), (2, 3, 1, 0)),  # empty
     ((10, 2048), (1, 0)),  # fc
+    ((1000, 512), (1, 0)),  # fc big enough for torch's blocked 2-D transpose
+    ((512, 256, 1, 1), (2, 3, 1, 0)),  # 1x1 conv big enough for torch's blocked 2-D transpose
+    ((70, 33, 3, 3), (2, 3, 1, 0)),  # rows not a multiple of the numpy copy's block
     ((7, 5), (1, 0)),
 ]
 
