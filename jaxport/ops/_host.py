@@ -1,10 +1,10 @@
 """Host (numpy) kernels behind `rank` and `topk_mask` on the CPU backend.
 
 XLA:CPU's sort is about 15x slower than numpy's vectorised sort, so on CPU the kernels run on
-the host through `jax.pure_callback`. They take the same order keys as the XLA path
-(`_keys.order_key`) and return identical results; `tests/test_ops_*` check both paths against
-torch. Rows are split across a small thread pool: numpy releases the GIL while it sorts and
-partitions.
+the host (`_callback.host_call`), writing straight into XLA's output buffer. They take the same
+order keys as the XLA path (`_keys.order_key`) and return identical results; `tests/test_ops_*`
+check both paths against torch. Rows are split across a small thread pool when that pays: numpy
+releases the GIL while it sorts and partitions.
 """
 from __future__ import annotations
 

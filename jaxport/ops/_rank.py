@@ -24,8 +24,8 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False) -> jax.Array:
     exactly (they widen to float32 without loss).
 
     One sort of an order-preserving integer key gives the permutation; scattering ``arange``
-    into it gives the ranks (no second sort). On the CPU backend the sort runs in numpy through
-    `jax.pure_callback` (XLA:CPU's sort is far slower); elsewhere it is XLA's stable sort. Both
+    into it gives the ranks (no second sort). On the CPU backend the sort runs in numpy on XLA's
+    own buffers (XLA:CPU's sort is far slower); elsewhere it is XLA's stable sort. Both
     paths return identical results. Works under `jit`, `vmap` and on sharded inputs.
 
     Args:
