@@ -10,7 +10,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import os
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping
 
@@ -18,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
+from jaxport._cpus import usable_cpus
 from jaxport._errors import ConversionError
 from jaxport._io import flatten
 from jaxport.models import ARCHS, ResNetSpec
@@ -233,16 +233,16 @@ def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
     with the stride of a whole row: a cache miss per element. Copying `_BLOCK_ROWS` source rows
     at a time keeps those rows in cache instead. bfloat16 is copied as its uint16 bits.
     """
+    t = t.detach().cpu()
     a = _to_numpy(t)
     if perm != _OIHW_TO_HWIO and perm != (1, 0):
         return np.ascontiguousarray(a.transpose(perm))
-    rows = a.shape[0]
-    cols = a.size // rows if rows else 0
-    if cols == int(np.prod(a.shape[1:2])) and rows * cols >= _TORCH_TRANSPOSE_MIN and t.is_contiguous():
-        # A linear or 1x1 kernel is one big 2-D transpose, which torch's `copy_` does with a
-        # cache-blocked kernel ~20% faster than the numpy loop below.
-        out = torch.empty((cols, rows), dtype=t.dtype)
-        out.copy_(t.detach().cpu().reshape(rows, cols).t())
+    matrix = a.ndim == 2 or a.shape[2:] == (1, 1)  # a linear or 1x1 kernel: one 2-D transpose
+    if matrix and a.size >= _TORCH_TRANSPOSE_MIN and t.is_contiguous():
+        # torch's `copy_` does a big 2-D transpose with a cache-blocked kernel, ~20% faster
+        # than the numpy loop below.
+        o, i = a.shape[:2]
+        out = torch.empty((i, o), dtype=t.dtype).copy_(t.reshape(o, i).t())
         return _to_numpy(out).reshape(_permuted(a.shape, perm))
     bits = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
     out = np.empty(_permuted(bits.shape, perm), bits.dtype)
@@ -253,8 +253,7 @@ def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)  # one small pool per process, created on first use
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return concurrent.futures.ThreadPoolExecutor(max(1, min(threads, 8)), thread_name_prefix="jaxport-convert")
+    return concurrent.futures.ThreadPoolExecutor(min(usable_cpus(), 8), thread_name_prefix="jaxport-convert")
 
 
 def _convert_tensor(e: "Entry", t: torch.Tensor | None) -> np.ndarray:

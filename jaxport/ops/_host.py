@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import os
-
 import numpy as np
+
+from .._cpus import usable_cpus
 
 _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
 # Threads pay off only when each numpy call holds the GIL-free part long enough: `topk_rows`
@@ -23,7 +23,7 @@ _MIN_TOPK_ROW_FOR_THREADS = 1 << 14
 
 
 def _threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    return usable_cpus()
 
 
 @functools.lru_cache(maxsize=None)  # one pool per process, created on first use (thread-safe)

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
+from .._cpus import usable_cpus
 from .._errors import ConfigError
 
 MEAN = np.array((0.485, 0.456, 0.406), np.float32)
@@ -225,7 +226,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     norm = [T.ToTensor(), T.Normalize(MEAN.tolist(), STD.tolist())]
     train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), *norm])
     val_tf = T.Compose([T.Resize(round(image_size * 256 / 224)), T.CenterCrop(image_size), *norm])
-    workers = min(4, os.cpu_count() or 1) if workers is None else workers
+    workers = min(4, usable_cpus()) if workers is None else workers
 
     train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
     if os.path.isdir(train_dir) and os.path.isdir(val_dir):
