@@ -12,9 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from jaxport import load_variables
 from jaxport._io import flatten
-from jaxport.train._loop import FINAL_VARIABLES
+from jaxport.train import load_workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--arch", "resnet18", "--image-size", "16", "--batch-size", "16", "--epochs", "1", "--max-steps", "1",
@@ -47,10 +46,10 @@ def test_two_processes_equal_one_process(tmp_path):
         assert p.returncode == 0, err[-3000:]
     assert "over 4 device(s) in 2 process(es)" in outs[0][1]
 
-    # Compared through the final variables file: orbax refuses to restore a 2-process checkpoint
-    # in a 1-process reader (topology check), so load_workdir is not used here.
-    a = flatten(load_variables(tmp_path / "one" / FINAL_VARIABLES))
-    b = flatten(load_variables(tmp_path / "two" / FINAL_VARIABLES))
+    # Read as `jaxport export WORKDIR` reads them: the 2-process checkpoint restores in this
+    # 1-process reader too.
+    a = flatten(load_workdir(str(tmp_path / "one"))[0])
+    b = flatten(load_workdir(str(tmp_path / "two"))[0])
     assert a.keys() == b.keys() and len(a) > 100
     for k in a:
         np.testing.assert_allclose(b[k], a[k], rtol=1e-5, atol=1e-6, err_msg=k)

@@ -7,9 +7,7 @@ wrong-shape key at once. Keys are never guessed by trying renames.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import functools
 from collections import OrderedDict
 from typing import Any, Iterator, Mapping
 
@@ -17,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from jaxport._cpus import usable_cpus
+from jaxport._cpus import host_pool
 from jaxport._errors import ConversionError
 from jaxport._io import flatten
 from jaxport.models import ARCHS, ResNetSpec
@@ -251,12 +249,7 @@ def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
     return out.view(a.dtype) if bits is not a else out
 
 
-@functools.lru_cache(maxsize=None)  # one small pool per process, created on first use
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(min(usable_cpus(), 8), thread_name_prefix="jaxport-convert")
-
-
-def _convert_tensor(e: "Entry", t: torch.Tensor | None) -> np.ndarray:
+def _convert_tensor(e: Entry, t: torch.Tensor | None) -> np.ndarray:
     if t is None:  # optional counter, absent from very old checkpoints
         return np.zeros((), np.int32)
     a = _permuted_copy(t, e.perm) if e.perm is not None else np.array(_to_numpy(t), copy=True)
@@ -318,7 +311,7 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
 
     big = [e for e in entries if e.torch_key in state_dict and _nbytes(state_dict[e.torch_key]) >= _PARALLEL_MIN_BYTES]
     big.sort(key=lambda e: -_nbytes(state_dict[e.torch_key]))  # largest first balances the threads
-    futures = {e.torch_key: _pool().submit(convert, e) for e in big} if len(big) > 1 else {}
+    futures = {e.torch_key: host_pool().submit(convert, e) for e in big} if len(big) > 1 else {}
     out: dict[str, dict] = {"params": {}, "batch_stats": {}}
     for e in entries:
         f = futures.get(e.torch_key)

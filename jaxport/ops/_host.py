@@ -8,11 +8,9 @@ releases the GIL while it sorts and partitions.
 """
 from __future__ import annotations
 
-import concurrent.futures
-import functools
 import numpy as np
 
-from .._cpus import usable_cpus
+from .._cpus import host_pool, usable_cpus
 
 _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
 # Threads pay off only when each numpy call holds the GIL-free part long enough: `topk_rows`
@@ -22,24 +20,15 @@ _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs
 _MIN_TOPK_ROW_FOR_THREADS = 1 << 14
 
 
-def _threads() -> int:
-    return usable_cpus()
-
-
-@functools.lru_cache(maxsize=None)  # one pool per process, created on first use (thread-safe)
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(_threads(), thread_name_prefix="jaxport-ops")
-
-
 def _parallel_rows(fn, rows: int, n: int, threads: int | None = None) -> None:
     """Calls fn(lo, hi) over contiguous row blocks, in parallel when the work is large enough."""
-    threads = _threads() if threads is None else threads
+    threads = usable_cpus() if threads is None else threads
     chunks = min(threads, rows, max(1, rows * n // _MIN_WORK_PER_THREAD))
     if chunks <= 1:
         fn(0, rows)
         return
     bounds = np.linspace(0, rows, chunks + 1).astype(int)
-    futures = [_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    futures = [host_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
     for f in futures:
         f.result()
 
