@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
+from ._grads import conv1x1, max_pool
 
 Dtype = Any
 
@@ -112,7 +113,7 @@ class _ConvLeaf(nn.Module):
             # 2x faster as a dot than as a convolution, forward and backward (ResNet-50's
             # bottleneck and downsample layers); same products, summed in another order.
             s = self.stride
-            y = jnp.einsum("nhwc,co->nhwo", x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
+            y = conv1x1(x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
         else:
             y = jax.lax.conv_general_dilated(
                 x,
@@ -248,7 +249,7 @@ class ResNet(nn.Module):
         x = conv(64, 7, 2, name="conv1")(x)
         x = nn.relu(norm(name="bn1")(x, train))
         # torch's MaxPool2d pads with -inf, so padding never wins the max.
-        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        x = max_pool(x, 3, 2, 1)
         self.sow("intermediates", "stem", x)
 
         inplanes, dilation = 64, 1

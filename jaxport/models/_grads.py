@@ -1,0 +1,102 @@
+"""Convolution pieces of the ResNets whose gradients XLA:CPU computes slowly, with hand-written VJPs.
+
+Every function here returns what jax's own autodiff would (the same products, summed in
+another order: equal to float rounding, tested against torch in tests/test_conv_grads.py). Each
+exists because of one measured profile of ResNet-50's training step (benchmarks/README.md,
+section 4), not for style.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def _flat(a: jax.Array) -> jax.Array:
+    return a.reshape(-1, a.shape[-1])
+
+
+@jax.custom_vjp
+def conv1x1(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """A 1x1, stride-1 convolution of NHWC `x` with a (C, O) `kernel`: a dot over channels."""
+    return jnp.einsum("nhwc,co->nhwo", x, kernel)
+
+
+def _conv1x1_fwd(x, kernel):
+    return conv1x1(x, kernel), (x, kernel)
+
+
+def _conv1x1_bwd(res, g):
+    x, kernel = res
+    dx = jnp.einsum("nhwo,co->nhwc", g, kernel)
+    # jax's own transpose contracts (n, h, w) of both operands at once, which XLA:CPU rewrites
+    # into a transposed copy of `g` fused with the BatchNorm backward that produces it: a strided
+    # 16 MiB write that took 30-60 ms per layer at 16 x 128 px (more than all the layer's dots).
+    # Contracting the leading axis of two 2-D views is one dot with no copy at all.
+    dk = jax.lax.dot_general(_flat(x), _flat(g), (((0,), (0,)), ((), ())))
+    return dx, dk.astype(kernel.dtype)
+
+
+conv1x1.defvjp(_conv1x1_fwd, _conv1x1_bwd)
+
+
+def _window_views(xp: jax.Array, window: int, stride: int, out_hw: tuple[int, int]) -> list[jax.Array]:
+    """The window's taps of the padded NHWC `xp`, row-major (torch's scan order), each (N, OH, OW, C)."""
+    oh, ow = out_hw
+    return [
+        xp[:, i: i + (oh - 1) * stride + 1: stride, j: j + (ow - 1) * stride + 1: stride]
+        for i in range(window) for j in range(window)
+    ]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def max_pool(x: jax.Array, window: int, stride: int, padding: int) -> jax.Array:
+    """torch's `MaxPool2d(window, stride, padding)` on NHWC `x`: padded with -inf, floor mode.
+
+    The gradient goes to the first maximum of each window in row-major order, as torch's
+    kernel picks it (`val > maxval`), so ties split exactly as in torch.
+    """
+    return jax.lax.reduce_window(
+        x, -jnp.inf, jax.lax.max, (1, window, window, 1), (1, stride, stride, 1),
+        ((0, 0), (padding, padding), (padding, padding), (0, 0)),
+    )
+
+
+def _max_pool_fwd(x, window, stride, padding):
+    y = max_pool(x, window, stride, padding)
+    return y, (x, y)
+
+
+def _max_pool_bwd(window, stride, padding, res, g):
+    # jax's own rule (select_and_gather_add + select_and_scatter) runs on XLA:CPU as a variadic
+    # reduce-window over four int32 index planes of the padded input: ~85 ms of ResNet-50's
+    # 16 x 128 px step. Here: the index of each window's first maximum (one fused pass over the
+    # output), then one strided scatter-free sum of the nine taps' contributions.
+    x, y = res
+    pad = ((0, 0), (padding, padding), (padding, padding), (0, 0))
+    xp = jnp.pad(x, pad, constant_values=-jnp.inf)
+    views = _window_views(xp, window, stride, y.shape[1:3])
+    first = jnp.full(y.shape, len(views), jnp.int8 if len(views) < 127 else jnp.int32)
+    for t in reversed(range(len(views))):  # reversed: the lowest tap that hits wins
+        v = views[t]
+        hit = (v == y) | (jnp.isnan(v) & jnp.isnan(y))
+        first = jnp.where(hit, jnp.asarray(t, first.dtype), first)
+    dxp = jnp.zeros(xp.shape, g.dtype)
+    zero = jnp.zeros((), g.dtype)
+    # Taps in reverse add each input's contributions in the order of the windows they come
+    # from, as torch's kernel accumulates them: the sums match torch's bit for bit.
+    for t in reversed(range(len(views))):
+        i, j = divmod(t, window)
+        tap = jnp.where(first == t, g, zero)
+        # Interior padding puts tap (oh, ow) at (i + oh * stride, j + ow * stride) of the padded input.
+        dxp = dxp + jax.lax.pad(tap, zero, (
+            (0, 0, 0),
+            (i, xp.shape[1] - i - ((y.shape[1] - 1) * stride + 1), stride - 1),
+            (j, xp.shape[2] - j - ((y.shape[2] - 1) * stride + 1), stride - 1),
+            (0, 0, 0),
+        ))
+    return (dxp[:, padding: padding + x.shape[1], padding: padding + x.shape[2]],)
+
+
+max_pool.defvjp(_max_pool_fwd, _max_pool_bwd)

@@ -1,0 +1,91 @@
+"""The hand-written VJPs of jaxport.models._grads against torch's own backward, same inputs.
+
+The full-model parity tests (test_train_parity.py) prove the step end to end; these pin each
+piece, including the cases a whole ResNet rarely hits (ties in a max-pool window, odd sizes).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from jaxport.models._grads import conv1x1, max_pool
+
+DTYPES = {"float32": (np.float32, 1e-6), "float64": (np.float64, 1e-13)}
+
+
+@pytest.fixture
+def x64():
+    with jax.enable_x64(True):
+        yield
+
+
+def _nchw(a):
+    return torch.tensor(np.ascontiguousarray(np.moveaxis(a, -1, 1)))
+
+
+def _nhwc(t):
+    return np.moveaxis(t.detach().numpy(), 1, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(2, 9, 9, 3), (2, 8, 11, 5), (1, 32, 32, 4), (3, 3, 3, 2)])
+@pytest.mark.parametrize("ties", [True, False])
+def test_max_pool_matches_torch(x64, dtype, shape, ties):
+    np_dtype, rtol = DTYPES[dtype]
+    rng = np.random.default_rng(0)
+    x = (rng.integers(-2, 3, shape) if ties else rng.standard_normal(shape)).astype(np_dtype)
+    xt = _nchw(x).requires_grad_()
+    yt = F.max_pool2d(xt, 3, 2, 1)
+    g = rng.standard_normal(_nhwc(yt).shape).astype(np_dtype)
+    yt.backward(_nchw(g))
+
+    y, vjp = jax.vjp(lambda a: max_pool(a, 3, 2, 1), jnp.asarray(x))
+    (dx,) = vjp(jnp.asarray(g))
+    assert y.dtype == np_dtype and dx.dtype == np_dtype
+    np.testing.assert_array_equal(np.asarray(y), _nhwc(yt))
+    # Same receivers (torch's first maximum of each window) and the same sums.
+    np.testing.assert_array_equal(np.asarray(dx) != 0, _nhwc(xt.grad) != 0)
+    np.testing.assert_allclose(np.asarray(dx), _nhwc(xt.grad), rtol=rtol, atol=rtol)
+
+
+def test_max_pool_tie_goes_to_first_element():
+    x = jnp.zeros((1, 3, 3, 1))  # one window (3x3 at stride 2 with padding covers it), all equal
+    dx = jax.grad(lambda a: max_pool(a, 3, 2, 1).sum())(x)
+    xt = torch.zeros(1, 1, 3, 3, requires_grad=True)
+    F.max_pool2d(xt, 3, 2, 1).sum().backward()
+    np.testing.assert_array_equal(np.asarray(dx)[0, :, :, 0], xt.grad[0, 0].numpy())
+
+
+def test_max_pool_under_jit_and_vmap():
+    x = jax.random.normal(jax.random.key(0), (4, 2, 10, 10, 3))
+    f = lambda a: jax.grad(lambda b: (max_pool(b, 3, 2, 1) ** 2).sum())(a)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f))(x), jnp.stack([f(a) for a in x]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,out", [((2, 6, 6, 8), 16), ((4, 5, 7, 32), 3), ((1, 1, 1, 1), 1)])
+def test_conv1x1_gradients_match_torch(x64, dtype, shape, out):
+    np_dtype, rtol = DTYPES[dtype]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(shape).astype(np_dtype)
+    w = rng.standard_normal((shape[-1], out)).astype(np_dtype)
+    g = rng.standard_normal(shape[:-1] + (out,)).astype(np_dtype)
+    xt, wt = _nchw(x).requires_grad_(), torch.tensor(w.T[:, :, None, None].copy()).requires_grad_()
+    yt = F.conv2d(xt, wt)
+    yt.backward(_nchw(g))
+
+    y, vjp = jax.vjp(conv1x1, jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(g))
+    np.testing.assert_allclose(np.asarray(y), _nhwc(yt), rtol=rtol * 10, atol=rtol * 10)
+    np.testing.assert_allclose(np.asarray(dx), _nhwc(xt.grad), rtol=rtol * 10, atol=rtol * 10)
+    np.testing.assert_allclose(np.asarray(dw), wt.grad[:, :, 0, 0].numpy().T, rtol=rtol * 10, atol=rtol * 10)
+
+
+def test_conv1x1_keeps_bfloat16():
+    x = jnp.ones((2, 3, 3, 4), jnp.bfloat16)
+    w = jnp.ones((4, 5), jnp.bfloat16)
+    dx, dw = jax.grad(lambda a, b: conv1x1(a, b).astype(jnp.float32).sum(), argnums=(0, 1))(x, w)
+    assert dx.dtype == dw.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.full((4, 5), 18.0))
