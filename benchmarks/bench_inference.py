@@ -6,7 +6,8 @@ repeat) and after a warm-up/compile call:
 
 - torch eager: `model(x)` under `torch.inference_mode()`, `torch.set_num_threads(T)` for each T
   of `--torch-threads` (default: the number of cores, as XLA's CPU thread pool);
-- jax: `jax.jit(model.apply)(variables, x)` (variables as arguments);
+- jax: `jax.jit(model.apply, compiler_options=jaxport.compiler_options())(variables, x)`
+  (variables as arguments; the options are `{}` off CPU);
 - jax-const: the variables closed over, so XLA sees them as constants;
 - jax-folded: `build_folded("resnet50")` with `fold_batchnorm(variables, "resnet50")` as
   arguments (conv with bias, no BatchNorm).
@@ -50,6 +51,7 @@ def main(argv=None) -> None:
     import numpy as np
     import torch
 
+    import jaxport
     import torch_compat
     from jaxport import models
 
@@ -59,7 +61,7 @@ def main(argv=None) -> None:
     tdtype, jdtype = {"float32": (torch.float32, jnp.float32), "bfloat16": (torch.bfloat16, jnp.bfloat16)}[a.dtype]
     print(f"jax {jax.__version__} ({jax_device.platform}), torch {torch.__version__}, {cores} cores, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')!r}, "
-          f"dtype {a.dtype}, device {a.device}")
+          f"dtype {a.dtype}, device {a.device}, jit compiler_options={jaxport.compiler_options(jax_device.platform)}")
 
     ref = torch_compat.reference_model("resnet50").to(device=a.device, dtype=tdtype)
     sd = {k: v.cpu() for k, v in ref.state_dict().items()}
@@ -67,9 +69,11 @@ def main(argv=None) -> None:
     variables = jax.tree.map(cast, torch_compat.torch_to_flax(sd))
     folded = jax.tree.map(cast, models.fold_batchnorm(torch_compat.torch_to_flax(sd), "resnet50"))
     model, folded_model = models.resnet50(), models.build_folded("resnet50")
-    apply_args = jax.jit(model.apply)
-    apply_const = jax.jit(lambda x: model.apply(variables, x))
-    apply_folded = jax.jit(folded_model.apply)
+    # jaxport.compiler_options(): on CPU, XLA's own convolutions instead of YNNPACK's.
+    opts = jaxport.compiler_options(jax_device.platform)
+    apply_args = jax.jit(model.apply, compiler_options=opts)
+    apply_const = jax.jit(lambda x: model.apply(variables, x), compiler_options=opts)
+    apply_folded = jax.jit(folded_model.apply, compiler_options=opts)
 
     def torch_run(x, n):
         torch.set_num_threads(n)

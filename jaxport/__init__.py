@@ -11,5 +11,6 @@ from ._errors import JaxportError as JaxportError
 from ._io import load_variables as load_variables
 from ._io import read_metadata as read_metadata
 from ._io import save_variables as save_variables
+from ._xla import compiler_options as compiler_options
 
 __version__ = "0.1.0"
