@@ -119,5 +119,5 @@ def test_folded_model_refuses_train_mode():
 def test_build_folded_rejects_unknown_arch_and_fixed_options():
     with pytest.raises(ConfigError, match="not a known architecture"):
         models.build_folded("resnet5")
-    with pytest.raises(ConfigError, match="`groups` \(=8\) is fixed to 32 by resnext50_32x4d; use FoldedResNet"):
+    with pytest.raises(ConfigError, match=r"`groups` \(=8\) is fixed to 32 by resnext50_32x4d; use FoldedResNet"):
         models.build_folded("resnext50_32x4d", groups=8)

@@ -8,6 +8,7 @@ Flax -> torch round trip restores it exactly.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -54,6 +55,14 @@ class BatchNorm(nn.Module):
 
         stat_dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
         xs = x.astype(stat_dtype)
+        if train and self.axis_name is None:
+            # Per-device statistics: the hand-written VJP below (torch's backward formula,
+            # two reductions and one pass) instead of autodiff through mean and variance,
+            # which XLA:CPU ran as more passes: ~5% of ResNet-50's training step.
+            y, mean, var = _train_norm(xs, scale.astype(stat_dtype), bias.astype(stat_dtype), self.epsilon)
+            if not self.is_initializing():
+                self._update_running(ra_mean, ra_var, count, mean, var, x.size // features)
+            return y.astype(x.dtype)
         if train:
             axes = tuple(range(x.ndim - 1))
             mean = jnp.mean(xs, axes)
@@ -66,14 +75,58 @@ class BatchNorm(nn.Module):
                 var = jax.lax.pmean(var, self.axis_name)
                 n = n * jax.lax.psum(1, self.axis_name)
             if not self.is_initializing():
-                m = self.momentum
-                unbiased = var * (n / max(n - 1, 1)) if isinstance(n, int) else var * n / jnp.maximum(n - 1, 1)
-                # Keep the stored dtype (float64 weights stay float64), not param_dtype.
-                ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(ra_mean.value.dtype)
-                ra_var.value = ((1 - m) * ra_var.value + m * unbiased).astype(ra_var.value.dtype)
-                count.value = count.value + 1
+                self._update_running(ra_mean, ra_var, count, mean, var, n)
         else:
             mean, var = ra_mean.value, ra_var.value
         inv = jax.lax.rsqrt(var.astype(stat_dtype) + self.epsilon) * scale.astype(stat_dtype)
         y = (xs - mean.astype(stat_dtype)) * inv + bias.astype(stat_dtype)
         return y.astype(x.dtype)
+
+    def _update_running(self, ra_mean, ra_var, count, mean, var, n):
+        """torch's update: biased batch variance normalises, the unbiased one is stored."""
+        m = self.momentum
+        unbiased = var * (n / max(n - 1, 1)) if isinstance(n, int) else var * n / jnp.maximum(n - 1, 1)
+        # Keep the stored dtype (float64 weights stay float64), not param_dtype.
+        ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(ra_mean.value.dtype)
+        ra_var.value = ((1 - m) * ra_var.value + m * unbiased).astype(ra_var.value.dtype)
+        count.value = count.value + 1
+
+
+def _stats(xs: jax.Array, eps: float):
+    """Batch mean, biased variance (two passes: no cancellation) and 1/sqrt(var + eps) over N, H, W."""
+    axes = tuple(range(xs.ndim - 1))
+    mean = jnp.mean(xs, axes)
+    var = jnp.mean(jnp.square(xs - mean), axes)
+    return mean, var, jax.lax.rsqrt(var + eps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _train_norm(xs: jax.Array, scale: jax.Array, bias: jax.Array, eps: float):
+    """`(y, batch_mean, batch_var)` of train-mode BatchNorm over the last axis' features."""
+    mean, var, inv = _stats(xs, eps)
+    return (xs - mean) * (inv * scale) + bias, mean, var
+
+
+def _train_norm_fwd(xs, scale, bias, eps):
+    mean, var, inv = _stats(xs, eps)
+    return ((xs - mean) * (inv * scale) + bias, mean, var), (xs, scale, mean, inv)
+
+
+def _train_norm_bwd(eps, res, cts):
+    # torch's batch_norm_backward: with c = x - mean, dx = scale * inv * (gy - mean(gy)
+    # - c * inv^2 * mean(gy * c)); the cotangents of the returned statistics (zero when they
+    # only feed the running averages) add their own terms.
+    xs, scale, mean, inv = res
+    gy, g_mean, g_var = cts
+    axes = tuple(range(xs.ndim - 1))
+    n = xs.size // xs.shape[-1]
+    centred = xs - mean
+    sum_g = jnp.sum(gy, axes)
+    sum_gc = jnp.sum(gy * centred, axes)
+    d_scale = sum_gc * inv
+    k = scale * inv
+    dx = k * (gy - sum_g / n - centred * (sum_gc * inv * inv / n)) + g_mean / n + centred * (2 * g_var / n)
+    return dx, d_scale, sum_g
+
+
+_train_norm.defvjp(_train_norm_fwd, _train_norm_bwd)

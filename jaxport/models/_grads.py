@@ -1,7 +1,7 @@
 """Convolution pieces of the ResNets whose gradients XLA:CPU computes slowly, with hand-written VJPs.
 
 Every function here returns what jax's own autodiff would (the same products, summed in
-another order: equal to float rounding, tested against torch in tests/test_conv_grads.py). Each
+another order: equal to float rounding, tested against torch in tests/test_custom_vjps.py). Each
 exists because of one measured profile of ResNet-50's training step (benchmarks/README.md,
 section 4), not for style.
 """

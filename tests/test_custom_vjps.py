@@ -1,4 +1,4 @@
-"""The hand-written VJPs of jaxport.models._grads against torch's own backward, same inputs.
+"""The hand-written VJPs (jaxport.models._grads, the BatchNorm train step) against torch, same inputs.
 
 The full-model parity tests (test_train_parity.py) prove the step end to end; these pin each
 piece, including the cases a whole ResNet rarely hits (ties in a max-pool window, odd sizes).
@@ -89,3 +89,66 @@ def test_conv1x1_keeps_bfloat16():
     dx, dw = jax.grad(lambda a, b: conv1x1(a, b).astype(jnp.float32).sum(), argnums=(0, 1))(x, w)
     assert dx.dtype == dw.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(dw, np.float32), np.full((4, 5), 18.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(4, 5, 5, 6), (2, 1, 1, 3), (8, 3, 7, 16)])
+def test_batchnorm_train_gradients_match_torch(x64, dtype, shape):
+    from jaxport.models import BatchNorm
+
+    np_dtype, rtol = DTYPES[dtype]
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal(shape) * 3 + 1).astype(np_dtype)
+    g = rng.standard_normal(shape).astype(np_dtype)
+    scale = rng.standard_normal(shape[-1]).astype(np_dtype)
+    bias = rng.standard_normal(shape[-1]).astype(np_dtype)
+
+    bn = torch.nn.BatchNorm2d(shape[-1]).to(torch.float64 if dtype == "float64" else torch.float32).train()
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor(scale))
+        bn.bias.copy_(torch.tensor(bias))
+    xt = _nchw(x).requires_grad_()
+    yt = bn(xt)
+    yt.backward(_nchw(g))
+
+    module = BatchNorm(param_dtype=np_dtype)
+    variables = module.init(jax.random.key(0), jnp.asarray(x))
+    params = {"scale": jnp.asarray(scale), "bias": jnp.asarray(bias)}
+
+    def f(x_, p):
+        y, upd = module.apply({"params": p, "batch_stats": variables["batch_stats"]}, x_, train=True,
+                              mutable=["batch_stats"])
+        return y, upd["batch_stats"]
+
+    y, vjp, stats = jax.vjp(f, jnp.asarray(x), params, has_aux=True)
+    dx, dp = vjp(jnp.asarray(g))
+    tol = dict(rtol=rtol * 100, atol=rtol * 100)
+    np.testing.assert_allclose(np.asarray(y), _nhwc(yt), **tol)
+    np.testing.assert_allclose(np.asarray(dx), _nhwc(xt.grad), **tol)
+    np.testing.assert_allclose(np.asarray(dp["scale"]), bn.weight.grad.numpy(), **tol)
+    np.testing.assert_allclose(np.asarray(dp["bias"]), bn.bias.grad.numpy(), **tol)
+    np.testing.assert_allclose(np.asarray(stats["mean"]), bn.running_mean.numpy(), **tol)
+    np.testing.assert_allclose(np.asarray(stats["var"]), bn.running_var.numpy(), **tol)
+
+
+def test_batchnorm_statistics_cotangents_match_autodiff(x64):
+    # The batch mean and variance are outputs too; a gradient through them must be exact.
+    from jaxport.models._batchnorm import _stats, _train_norm
+
+    rng = np.random.default_rng(5)
+    x, scale, bias = (jnp.asarray(rng.standard_normal(s)) for s in [(3, 4, 4, 5), (5,), (5,)])
+
+    def reference(x_, s, b):
+        mean, var, inv = _stats(x_, 1e-5)
+        return (x_ - mean) * (inv * s) + b, mean, var
+
+    def loss(fn):
+        def inner(x_, s, b):
+            y, mean, var = fn(x_, s, b)
+            return jnp.sum(jnp.sin(y)) + jnp.sum(mean ** 3) + jnp.sum(jnp.cos(var))
+        return inner
+
+    got = jax.grad(loss(lambda a, s, b: _train_norm(a, s, b, 1e-5)), argnums=(0, 1, 2))(x, scale, bias)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(x, scale, bias)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
