@@ -152,3 +152,45 @@ def test_batchnorm_statistics_cotangents_match_autodiff(x64):
     want = jax.grad(loss(reference), argnums=(0, 1, 2))(x, scale, bias)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,k,stride,pad", [
+    ((2, 8, 8, 3), 3, 2, 1),     # ResNet's strided 3x3
+    ((2, 9, 7, 4), 3, 2, 1),     # odd sizes: the last phase is shorter
+    ((1, 15, 16, 3), 7, 2, 3),   # the stem
+    ((2, 10, 11, 2), 3, 3, 1),   # stride 3: nine phases
+    ((1, 5, 5, 2), 3, 2, 0),     # no padding
+    ((1, 4, 4, 2), 3, 4, 1),     # stride above the kernel: some phases get no tap
+])
+def test_strided_conv_gradients_match_torch(x64, dtype, shape, k, stride, pad):
+    from jaxport.models._grads import strided_conv
+
+    np_dtype, rtol = DTYPES[dtype]
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal(shape).astype(np_dtype)
+    w = rng.standard_normal((k, k, shape[-1], 5)).astype(np_dtype)
+    xt = _nchw(x).requires_grad_()
+    wt = torch.tensor(np.ascontiguousarray(w.transpose(3, 2, 0, 1))).requires_grad_()
+    yt = F.conv2d(xt, wt, stride=stride, padding=pad)
+    g = rng.standard_normal(_nhwc(yt).shape).astype(np_dtype)
+    yt.backward(_nchw(g))
+
+    f = jax.jit(lambda a, b, g_: jax.vjp(lambda a_, b_: strided_conv(a_, b_, stride, pad), a, b)[1](g_))
+    dx, dw = f(jnp.asarray(x), jnp.asarray(w), jnp.asarray(g))
+    tol = dict(rtol=rtol * 100, atol=rtol * 100)
+    np.testing.assert_allclose(np.asarray(strided_conv(x, w, stride, pad)), _nhwc(yt), **tol)
+    np.testing.assert_allclose(np.asarray(dx), _nhwc(xt.grad), **tol)
+    np.testing.assert_allclose(np.asarray(dw), wt.grad.numpy().transpose(2, 3, 1, 0), **tol)
+
+
+def test_strided_conv_input_gradient_has_no_dilated_convolution():
+    # The point of the phase split on CPU: no convolution over a zero-dilated gradient.
+    from jaxport.models._grads import strided_conv
+
+    x, w, g = jnp.ones((2, 8, 8, 3)), jnp.ones((3, 3, 3, 5)), jnp.ones((2, 4, 4, 5))
+    hlo = jax.jit(lambda a: jax.vjp(lambda a_: strided_conv(a_, w, 2, 1), a)[1](g)).lower(x).compile().as_text()
+    assert "convolution(" in hlo and "lhs_dilate" not in hlo
+    plain = jax.jit(lambda a: jax.vjp(lambda a_: jax.lax.conv_general_dilated(
+        a_, w, (2, 2), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")), a)[1](g)).lower(x).compile().as_text()
+    assert "lhs_dilate" in plain  # the check can see what it forbids

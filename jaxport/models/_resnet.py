@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
-from ._grads import conv1x1, max_pool
+from ._grads import conv1x1, max_pool, strided_conv
 
 Dtype = Any
 
@@ -114,6 +114,8 @@ class _ConvLeaf(nn.Module):
             # bottleneck and downsample layers); same products, summed in another order.
             s = self.stride
             y = conv1x1(x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
+        elif self.stride > 1 and self.groups == 1 and self.dilation == 1:
+            y = strided_conv(x, kernel, self.stride, pad)
         else:
             y = jax.lax.conv_general_dilated(
                 x,
