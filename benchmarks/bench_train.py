@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def _parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", nargs="+", default=None, help="BATCHxSIZE, e.g. 16x128 32x224")
-    p.add_argument("--steps", type=int, default=3, help="timed steps (after warm-up)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (after warm-up)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu", action="store_true", help="bf16 on the accelerator; torch eager + compiled")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (CPU)")
