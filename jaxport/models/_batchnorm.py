@@ -103,8 +103,7 @@ def _stats(xs: jax.Array, eps: float):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _train_norm(xs: jax.Array, scale: jax.Array, bias: jax.Array, eps: float):
     """`(y, batch_mean, batch_var)` of train-mode BatchNorm over the last axis' features."""
-    mean, var, inv = _stats(xs, eps)
-    return (xs - mean) * (inv * scale) + bias, mean, var
+    return _train_norm_fwd(xs, scale, bias, eps)[0]
 
 
 def _train_norm_fwd(xs, scale, bias, eps):
