@@ -60,16 +60,18 @@ def test_adamw_matches_torch(weight_decay, betas, eps):
 
 
 def test_sgd_with_schedule_matches_torch_step_lr():
-    def make(ps):
-        opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-        orig = opt.step
+    class StepThenSchedule:
+        # torch warns when optimizer.step is replaced after a scheduler wraps it; a wrapper
+        # object steps both, in the order a training loop does.
+        def __init__(self, ps):
+            self.opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+            self.sched = torch.optim.lr_scheduler.StepLR(self.opt, step_size=3, gamma=0.5)
 
-        def step():
-            orig()
-            sched.step()
-        opt.step = step
-        return opt
+        def step(self):
+            self.opt.step()
+            self.sched.step()
+
+    make = StepThenSchedule
     _run_both(make, optim.sgd(optim.step_lr(0.1, 3, 0.5), momentum=0.9))
 
 
