@@ -59,9 +59,11 @@ def main(argv=None) -> None:
     threads = a.torch_threads or sorted({cores, 1}, reverse=True)
     jax_device = jax.devices("gpu" if a.device == "cuda" else a.device)[0]
     tdtype, jdtype = {"float32": (torch.float32, jnp.float32), "bfloat16": (torch.bfloat16, jnp.bfloat16)}[a.dtype]
+    # jaxport.compiler_options(): on CPU, XLA's own convolutions instead of YNNPACK's.
+    opts = jaxport.compiler_options(jax_device.platform)
     print(f"jax {jax.__version__} ({jax_device.platform}), torch {torch.__version__}, {cores} cores, "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '')!r}, "
-          f"dtype {a.dtype}, device {a.device}, jit compiler_options={jaxport.compiler_options(jax_device.platform)}")
+          f"dtype {a.dtype}, device {a.device}, jit compiler_options={opts}")
 
     ref = torch_compat.reference_model("resnet50").to(device=a.device, dtype=tdtype)
     sd = {k: v.cpu() for k, v in ref.state_dict().items()}
@@ -69,8 +71,6 @@ def main(argv=None) -> None:
     variables = jax.tree.map(cast, torch_compat.torch_to_flax(sd))
     folded = jax.tree.map(cast, models.fold_batchnorm(torch_compat.torch_to_flax(sd), "resnet50"))
     model, folded_model = models.resnet50(), models.build_folded("resnet50")
-    # jaxport.compiler_options(): on CPU, XLA's own convolutions instead of YNNPACK's.
-    opts = jaxport.compiler_options(jax_device.platform)
     apply_args = jax.jit(model.apply, compiler_options=opts)
     apply_const = jax.jit(lambda x: model.apply(variables, x), compiler_options=opts)
     apply_folded = jax.jit(folded_model.apply, compiler_options=opts)

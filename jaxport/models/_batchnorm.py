@@ -64,17 +64,11 @@ class BatchNorm(nn.Module):
                 self._update_running(ra_mean, ra_var, count, mean, var, x.size // features)
             return y.astype(x.dtype)
         if train:
-            axes = tuple(range(x.ndim - 1))
-            mean = jnp.mean(xs, axes)
-            if self.axis_name is not None:
-                mean = jax.lax.pmean(mean, self.axis_name)
-            # Two passes (centre, then square) rather than E[x^2] - E[x]^2: no cancellation.
-            var = jnp.mean(jnp.square(xs - mean), axes)
-            n = x.size // features
-            if self.axis_name is not None:
-                var = jax.lax.pmean(var, self.axis_name)
-                n = n * jax.lax.psum(1, self.axis_name)
+            # SyncBatchNorm: autodiff through the cross-device statistics (its transposes of
+            # pmean are what the device-count tests prove).
+            mean, var, _ = _stats(xs, self.epsilon, self.axis_name)
             if not self.is_initializing():
+                n = x.size // features * jax.lax.psum(1, self.axis_name)
                 self._update_running(ra_mean, ra_var, count, mean, var, n)
         else:
             mean, var = ra_mean.value, ra_var.value
@@ -92,11 +86,18 @@ class BatchNorm(nn.Module):
         count.value = count.value + 1
 
 
-def _stats(xs: jax.Array, eps: float):
-    """Batch mean, biased variance (two passes: no cancellation) and 1/sqrt(var + eps) over N, H, W."""
+def _stats(xs: jax.Array, eps: float, axis_name: str | None = None):
+    """Batch mean, biased variance and 1/sqrt(var + eps) over N, H, W (and `axis_name`'s devices).
+
+    Two passes (centre, then square) rather than E[x^2] - E[x]^2: no cancellation.
+    """
     axes = tuple(range(xs.ndim - 1))
     mean = jnp.mean(xs, axes)
+    if axis_name is not None:
+        mean = jax.lax.pmean(mean, axis_name)
     var = jnp.mean(jnp.square(xs - mean), axes)
+    if axis_name is not None:
+        var = jax.lax.pmean(var, axis_name)
     return mean, var, jax.lax.rsqrt(var + eps)
 
 

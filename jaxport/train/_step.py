@@ -141,12 +141,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
             return loss, (updates["batch_stats"], logits)
 
         (loss, (batch_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        # Over one device a mean is the identity, but XLA:CPU still copies every gradient
+        # through an all-reduce (~15 ms of ResNet-50's 16 x 128 px step): skip it there.
         if mesh.shape[AXIS] > 1:
-            # Over one device the mean is the identity, but XLA:CPU still copies every
-            # gradient through an all-reduce (~15 ms of ResNet-50's 16 x 128 px step).
             grads = jax.lax.pmean(grads, AXIS)
-        if model.bn_axis_name is None and mesh.shape[AXIS] > 1:
-            batch_stats = _average_running_stats(batch_stats)
+            if model.bn_axis_name is None:
+                batch_stats = _average_running_stats(batch_stats)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
