@@ -84,11 +84,19 @@ def test_conv1x1_gradients_match_torch(x64, dtype, shape, out):
 
 
 def test_conv1x1_keeps_bfloat16():
-    x = jnp.ones((2, 3, 3, 4), jnp.bfloat16)
-    w = jnp.ones((4, 5), jnp.bfloat16)
-    dx, dw = jax.grad(lambda a, b: conv1x1(a, b).astype(jnp.float32).sum(), argnums=(0, 1))(x, w)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 3, 3, 4)).astype(np.float32)
+    w = rng.standard_normal((4, 5)).astype(np.float32)
+    to_bf16 = lambda a: jnp.asarray(a, jnp.bfloat16)
+    dx, dw = jax.grad(lambda a, b: conv1x1(a, b).astype(jnp.float32).sum(), argnums=(0, 1))(to_bf16(x), to_bf16(w))
     assert dx.dtype == dw.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.full((4, 5), 18.0))
+    # torch in bfloat16 on the same (rounded) inputs; both round the sums to bfloat16.
+    xt = _nchw(np.asarray(to_bf16(x), np.float32)).to(torch.bfloat16).requires_grad_()
+    wt = torch.tensor(np.asarray(to_bf16(w), np.float32).T[:, :, None, None].copy()).to(torch.bfloat16).requires_grad_()
+    F.conv2d(xt, wt).float().sum().backward()
+    tol = dict(rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), _nhwc(xt.grad.float()), **tol)
+    np.testing.assert_allclose(np.asarray(dw, np.float32), wt.grad.float()[:, :, 0, 0].numpy().T, **tol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
