@@ -43,7 +43,8 @@ class FoldedResNet(ResNet):
     """
 
     def _norm_and_conv(self) -> tuple[Callable, Callable]:
-        return _NoNorm, functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype, use_bias=True)
+        return _NoNorm, functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype, use_bias=True,
+                                          custom_vjps=self.custom_vjps)
 
 
 def build_folded(arch: str, **kwargs) -> FoldedResNet:

@@ -17,10 +17,14 @@ def _flat(a: jax.Array) -> jax.Array:
     return a.reshape(-1, a.shape[-1])
 
 
-@jax.custom_vjp
-def conv1x1(x: jax.Array, kernel: jax.Array) -> jax.Array:
+def conv1x1_primal(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """A 1x1, stride-1 convolution of NHWC `x` with a (C, O) `kernel`: a dot over channels."""
     return jnp.einsum("nhwc,co->nhwo", x, kernel)
+
+
+# The same values with the hand-written gradient below; `conv1x1_primal` keeps jax's own rules
+# (for forward-mode AD, which no custom_vjp supports: ResNet(custom_vjps=False)).
+conv1x1 = jax.custom_vjp(conv1x1_primal)
 
 
 def _conv1x1_fwd(x, kernel):
@@ -50,17 +54,17 @@ def _window_views(xp: jax.Array, window: int, stride: int, out_hw: tuple[int, in
     ]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def max_pool(x: jax.Array, window: int, stride: int, padding: int) -> jax.Array:
-    """torch's `MaxPool2d(window, stride, padding)` on NHWC `x`: padded with -inf, floor mode.
-
-    The gradient goes to the first maximum of each window in row-major order, as torch's
-    kernel picks it (`val > maxval`), so ties split exactly as in torch.
-    """
+def max_pool_primal(x: jax.Array, window: int, stride: int, padding: int) -> jax.Array:
+    """torch's `MaxPool2d(window, stride, padding)` on NHWC `x`: padded with -inf, floor mode."""
     return jax.lax.reduce_window(
         x, -jnp.inf, jax.lax.max, (1, window, window, 1), (1, stride, stride, 1),
         ((0, 0), (padding, padding), (padding, padding), (0, 0)),
     )
+
+
+# The gradient goes to the first maximum of each window in row-major order, as torch's kernel
+# picks it (`val > maxval`), so ties split exactly as in torch.
+max_pool = jax.custom_vjp(max_pool_primal, nondiff_argnums=(1, 2, 3))
 
 
 def _max_pool_fwd(x, window, stride, padding):

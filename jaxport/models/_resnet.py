@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
-from ._grads import conv1x1, max_pool, strided_conv
+from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, strided_conv
 
 Dtype = Any
 
@@ -96,6 +96,7 @@ class _ConvLeaf(nn.Module):
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     use_bias: bool = False
+    custom_vjps: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -113,8 +114,8 @@ class _ConvLeaf(nn.Module):
             # 2x faster as a dot than as a convolution, forward and backward (ResNet-50's
             # bottleneck and downsample layers); same products, summed in another order.
             s = self.stride
-            y = conv1x1(x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
-        elif self.stride > 1 and self.groups == 1 and self.dilation == 1:
+            y = (conv1x1 if self.custom_vjps else conv1x1_primal)(x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
+        elif self.stride > 1 and self.groups == 1 and self.dilation == 1 and self.custom_vjps:
             y = strided_conv(x, kernel, self.stride, pad)
         else:
             y = jax.lax.conv_general_dilated(
@@ -221,6 +222,12 @@ class ResNet(nn.Module):
       param_dtype: dtype of freshly initialised parameters.
       bn_axis_name: mesh axis over which BatchNorm reduces batch statistics in train mode
         (SyncBatchNorm); None keeps statistics per device, as DDP without SyncBatchNorm.
+      custom_vjps: True (default) differentiates the convs, max-pool and train-mode BatchNorm
+        with jaxport's hand-written VJPs, which XLA:CPU runs much faster; as with any
+        `jax.custom_vjp`, forward-mode AD (`jax.jvp`, `jax.jacfwd`, `jax.hessian`,
+        forward-over-reverse Hessian-vector products) then cannot go through the model. False
+        uses jax's own rules everywhere, so every transformation works. The outputs are the
+        same bit for bit either way; only the gradients' summation order differs.
     """
 
     block: str
@@ -233,6 +240,7 @@ class ResNet(nn.Module):
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     bn_axis_name: str | None = None
+    custom_vjps: bool = True
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -251,7 +259,7 @@ class ResNet(nn.Module):
         x = conv(64, 7, 2, name="conv1")(x)
         x = nn.relu(norm(name="bn1")(x, train))
         # torch's MaxPool2d pads with -inf, so padding never wins the max.
-        x = max_pool(x, 3, 2, 1)
+        x = (max_pool if self.custom_vjps else max_pool_primal)(x, 3, 2, 1)
         self.sow("intermediates", "stem", x)
 
         inplanes, dilation = 64, 1
@@ -283,8 +291,10 @@ class ResNet(nn.Module):
 
     def _norm_and_conv(self) -> tuple[Callable, Callable]:
         """The BatchNorm and conv every layer is built from (a `FoldedResNet` swaps them)."""
-        return (functools.partial(BatchNorm, axis_name=self.bn_axis_name, param_dtype=self.param_dtype),
-                functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype))
+        return (functools.partial(BatchNorm, axis_name=self.bn_axis_name, param_dtype=self.param_dtype,
+                                  custom_vjps=self.custom_vjps),
+                functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype,
+                                  custom_vjps=self.custom_vjps))
 
 
 def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]:
@@ -302,7 +312,8 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
     make.__name__ = make.__qualname__ = arch
     make.__doc__ = (
         f"torchvision's `{arch}` as a Flax `ResNet` (NHWC). Takes `num_classes` and ResNet's other "
-        "attributes (`zero_init_residual`, `replace_stride_with_dilation`, `dtype`, `bn_axis_name`, ...)."
+        "attributes (`zero_init_residual`, `replace_stride_with_dilation`, `dtype`, `bn_axis_name`, "
+        "`custom_vjps`, ...)."
     )
     return make
 
