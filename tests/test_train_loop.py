@@ -120,8 +120,12 @@ def _image_folder(root, classes=("a", "b"), per_class=6, corrupt=0):
 
 def test_image_folder_trains_and_skips_unreadable(tmp_path):
     root = _image_folder(tmp_path / "data", per_class=10, corrupt=2)
-    with pytest.warns(UserWarning, match="2 unreadable image"):
+    with pytest.warns(UserWarning) as record:
         data = _data.image_folder(str(root), image_size=16, workers=0)
+    messages = [str(w.message) for w in record]
+    # One warning per file, naming it, and one count at the end.
+    assert sum("skipping unreadable image" in m and "bad" in m for m in messages) == 2, messages
+    assert any("2 unreadable image" in m for m in messages), messages
     assert data.skipped == 2 and data.classes == ["a", "b"]
     assert data.train.num_examples + data.val.num_examples == 20
     x, y = data.train.load([0, 1], 0)
