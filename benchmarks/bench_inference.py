@@ -5,7 +5,9 @@ with `torch_to_flax`, and for each batch size times, interleaved (the order reve
 repeat) and after a warm-up/compile call:
 
 - torch eager: `model(x)` under `torch.inference_mode()`, `torch.set_num_threads(T)` for each T
-  of `--torch-threads` (default: the number of cores, as XLA's CPU thread pool);
+  of `--torch-threads` (default: the number of cores, as XLA's CPU thread pool); on CUDA one
+  eager case (threads do not matter there), channels_last, and `torch.compile(model)` beside it
+  (`--torch-variants`);
 - jax: `jax.jit(model.apply, compiler_options=jaxport.compiler_options())(variables, x)`
   (variables as arguments; the options are `{}` off CPU);
 - jax-const: the variables closed over, so XLA sees them as constants;
@@ -20,7 +22,8 @@ shared machine torch's OpenMP threads spin-wait and 1 thread can beat 2), and th
 Usage:
   PYTHONPATH=. python benchmarks/bench_inference.py [--batch 8 32] [--repeats 5 3]
       [--torch-threads 2 1] [--variants jax jax-const jax-folded] [--xla-flags "--xla_cpu_use_onednn=true"]
-      [--device cuda --dtype bfloat16]   # GPU runs: untested here (no GPU on this machine)
+      [--device cuda --dtype bfloat16 --batch 8 32 256]   # GPU: torch eager + torch.compile
+      [--torch-variants eager compile] [--channels-last]
 """
 from __future__ import annotations
 
@@ -42,7 +45,13 @@ def main(argv=None) -> None:
     p.add_argument("--variants", nargs="+", default=["jax", "jax-folded"], help="also: jax-const")
     p.add_argument("--device", default="cpu", help="cpu or cuda (jax: the matching backend)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--torch-variants", nargs="+", default=None, choices=["eager", "compile"],
+                   help="default: eager on CPU, eager and compile on CUDA")
+    p.add_argument("--channels-last", action="store_true", help="torch in channels_last (always on CUDA)")
     a = p.parse_args(argv)
+    gpu = a.device == "cuda"
+    torch_variants = a.torch_variants or (["eager", "compile"] if gpu else ["eager"])
+    channels_last = a.channels_last or gpu
     if a.xla_flags is not None:
         os.environ["XLA_FLAGS"] = a.xla_flags
 
@@ -67,6 +76,9 @@ def main(argv=None) -> None:
 
     ref = torch_compat.reference_model("resnet50").to(device=a.device, dtype=tdtype)
     sd = {k: v.cpu() for k, v in ref.state_dict().items()}
+    if channels_last:
+        ref = ref.to(memory_format=torch.channels_last)
+    torch_models = {"eager": ref, "compile": torch.compile(ref) if "compile" in torch_variants else None}
     cast = lambda t: jax.device_put(jnp.asarray(t, jdtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype), jax_device)
     variables = jax.tree.map(cast, torch_compat.torch_to_flax(sd))
     folded = jax.tree.map(cast, models.fold_batchnorm(torch_compat.torch_to_flax(sd), "resnet50"))
@@ -75,20 +87,28 @@ def main(argv=None) -> None:
     apply_const = jax.jit(lambda x: model.apply(variables, x), compiler_options=opts)
     apply_folded = jax.jit(folded_model.apply, compiler_options=opts)
 
-    def torch_run(x, n):
-        torch.set_num_threads(n)
+    def torch_run(x, n, variant="eager"):
+        if n is not None:
+            torch.set_num_threads(n)
         with torch.inference_mode():
-            y = ref(x)
-        if a.device == "cuda":
+            y = torch_models[variant](x)
+        if gpu:
             torch.cuda.synchronize()
         return y
+
+    def torch_name(variant, n):
+        label = "torch eager" if variant == "eager" else "torch.compile"
+        return label if n is None else f"{label} ({n} thr)"
 
     for i, batch in enumerate(a.batch):
         repeats = a.repeats[min(i, len(a.repeats) - 1)]
         x = np.random.default_rng(batch).standard_normal((batch, a.size, a.size, 3), dtype=np.float32)
         xt = torch.from_numpy(x.transpose(0, 3, 1, 2).copy()).to(device=a.device, dtype=tdtype)
+        if channels_last:
+            xt = xt.contiguous(memory_format=torch.channels_last)
         xj = jax.device_put(jnp.asarray(x, jdtype), jax_device)
-        cases = {f"torch eager ({n} thr)": (lambda n=n: torch_run(xt, n)) for n in threads}
+        cases = {torch_name(v, n): (lambda n=n, v=v: torch_run(xt, n, v))
+                 for v in torch_variants for n in ([None] if gpu else threads)}
         jax_cases = {
             "jax": lambda: apply_args(variables, xj).block_until_ready(),
             "jax-const": lambda: apply_const(xj).block_until_ready(),
@@ -109,7 +129,7 @@ def main(argv=None) -> None:
                 cases[name]()
                 times[name].append(time.perf_counter() - t)
         med = {name: statistics.median(ts) for name, ts in times.items()}
-        base_name = f"torch eager ({cores if cores in threads else threads[0]} thr)"
+        base_name = torch_name(torch_variants[0], None if gpu else (cores if cores in threads else threads[0]))
         best = min((n for n in cases if n.startswith("torch")), key=med.get)
         base, expected = med[base_name], outputs[base_name]
         scale = float(np.abs(expected).max())

@@ -1,6 +1,6 @@
 """Speed of jaxport.ops against torch's double sort, jnp's double argsort and logsumexp.
 
-Run: python benchmarks/bench_ops.py [--repeats N] [--quick]
+Run: python benchmarks/bench_ops.py [--repeats N] [--quick] [--torch-device auto|cpu|cuda]
 
 Every jax function is jit-compiled and warmed up, timed with block_until_ready, and reported
 as the median of several runs. torch runs with as many threads as XLA:CPU uses (all the cores
@@ -9,6 +9,10 @@ process shares the cores, also with 1 thread: each torch reference is the faster
 so ratios are never flattered by a contended torch. Ratios are (reference time) / (jaxport
 time), measured in the same run, so > 1 means jaxport is faster. `rank[xla]` / `topk_mask[xla]` are the
 pure-XLA kernels that other backends use, shown on CPU for comparison.
+
+On a GPU machine jax runs on its default backend (the GPU) and torch, by default, on CUDA too
+(`--torch-device auto`): the table is then GPU against GPU, each torch call timed up to
+`torch.cuda.synchronize()`.
 """
 from __future__ import annotations
 
@@ -59,8 +63,16 @@ def _median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _torch_ms(fn, repeats: int, threads: int) -> float:
-    """The faster of torch with `threads` threads and with 1 thread (see the module doc)."""
+def _torch_ms(fn, repeats: int, threads: int, device: str = "cpu") -> float:
+    """The faster of torch with `threads` threads and with 1 thread (see the module doc).
+
+    On CUDA, the time until the GPU has finished (threads do not matter there).
+    """
+    if device == "cuda":
+        def synced():
+            fn()
+            torch.cuda.synchronize()
+        return _median_ms(synced, repeats)
     best = float("inf")
     for n in sorted({threads, 1}, reverse=True):
         torch.set_num_threads(n)
@@ -96,13 +108,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="only the smallest shape")
+    parser.add_argument("--torch-device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="auto: cuda when jax runs on a GPU and torch sees one, else cpu")
     args = parser.parse_args()
+    tdev = args.torch_device
+    if tdev == "auto":
+        tdev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
+    if tdev == "cuda" and not torch.cuda.is_available():
+        parser.error("--torch-device cuda: this torch sees no CUDA device; use --torch-device cpu")
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(threads)
     dev = jax.devices()[0]
     bw = memory_bandwidth_gbs(args.repeats)
-    print(f"# jax {jax.__version__} on {dev.platform} ({cpu_model()}), torch {torch.__version__}, "
-          f"threads: xla={threads}, torch=best of {{{threads}, 1}}, median of >= {args.repeats} calls "
+    where = cpu_model() if dev.platform == "cpu" else dev.device_kind
+    print(f"# jax {jax.__version__} on {dev.platform} ({where}), torch {torch.__version__}, "
+          f"torch on {tdev}" + (f" ({torch.cuda.get_device_name()})" if tdev == "cuda" else "") + ", "
+          + (f"threads: xla={threads}, torch=best of {{{threads}, 1}}, " if tdev == "cpu" else "")
+          + f"median of >= {args.repeats} calls "
           f"(sub-ms calls: ~0.3 s of calls)")
     print(f"# measured memory read bandwidth: {bw:.1f} GB/s (jit sum over 512 MiB float32); "
           f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -118,12 +140,12 @@ def main() -> None:
     for shape in SHAPES[:1] if args.quick else SHAPES:
         xn = rng.standard_normal(shape).astype(np.float32)
         kn = rng.integers(0, shape[1] // 4, shape[0]).astype(np.int32)
-        xt, kt = torch.from_numpy(xn), torch.from_numpy(kn)[:, None]
+        xt, kt = torch.from_numpy(xn).to(tdev), torch.from_numpy(kn)[:, None].to(tdev)
         x, k = jnp.asarray(xn), jnp.asarray(kn)
 
-        t_dbl = _torch_ms(lambda: xt.sort(dim=-1, stable=True).indices.argsort(dim=-1), args.repeats, threads)
-        t_dbl_topk = _torch_ms(
-            lambda: xt.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1) < kt, args.repeats, threads)
+        t_dbl = _torch_ms(lambda: xt.sort(dim=-1, stable=True).indices.argsort(dim=-1), args.repeats, threads, tdev)
+        t_dbl_topk = _torch_ms(lambda: xt.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1) < kt,
+                               args.repeats, threads, tdev)
         row("torch double sort (rank)", shape, t_dbl, "1.00x")
         row("torch double sort < k", shape, t_dbl_topk, "1.00x")
         naive = jax.jit(lambda x: jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True))
@@ -138,7 +160,7 @@ def main() -> None:
             t = _median_ms(_jax(fn, x, k), args.repeats)
             row(name, shape, t, f"{t_dbl_topk / t:.2f}x")
 
-        t_tlse = _torch_ms(lambda: torch.logsumexp(xt, dim=-1), args.repeats, threads)
+        t_tlse = _torch_ms(lambda: torch.logsumexp(xt, dim=-1), args.repeats, threads, tdev)
         t_jlse = _median_ms(_jax(jax.jit(lambda x: jax.nn.logsumexp(x, axis=-1)), x), args.repeats)
         t = _median_ms(_jax(jax.jit(lambda x: logsumexp(x, axis=-1)), x), args.repeats)
         gbs = lambda ms: f"{xn.nbytes / (ms * 1e-3) / 1e9:.2f}"  # noqa: E731

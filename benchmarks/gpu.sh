@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU rows of issues 2, 3 and 4 in one prepared run, for a lent H100/H200 (the `device`
+# tool's `run`, whose device time is scarce: ~15 min a task, start-up included).
+#
+#   bash benchmarks/gpu.sh            # on the GPU machine, in the repository root
+#
+# It uses the machine's own python3 (its image has jax, flax, optax, orbax, torch, torchvision:
+# nothing is installed) and writes one log per benchmark under $OUT (or /tmp/gpu-bench). Each
+# step has its own time limit, so one hang cannot eat the whole lease; the whole script is
+# sized to ~8 minutes. Budget the call with timeout_s=570 and give the machine back after.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/gpu-bench}
+mkdir -p "$out"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# jax and torch share the GPU in one process: jax must not take 75% of it up front.
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+py=${PYTHON:-python3}
+
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit}s): $*"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$out/$name.log"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0))s"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 | tee "$out/gpu.log"
+step env 60 "$py" -m jaxport env
+# Issue 3: the ops table, jax on the GPU against torch on CUDA.
+step ops 150 "$py" benchmarks/bench_ops.py --torch-device cuda
+# Issue 2: bf16 inference against torch eager and torch.compile (channels_last).
+step inference 170 "$py" benchmarks/bench_inference.py --device cuda --dtype bfloat16 \
+  --batch 8 32 256 --repeats 20 20 10
+# Issue 4: bf16 training step, batch 256 at 224 px; goal >= 3,000 img/s on one H100.
+step train 200 "$py" benchmarks/bench_train.py --gpu --configs 256x224 --steps 20 --warmup 2 \
+  --out "$out/train.json"
