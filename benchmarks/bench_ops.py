@@ -1,6 +1,6 @@
 """Speed of jaxport.ops against torch's double sort, jnp's double argsort and logsumexp.
 
-Run: python benchmarks/bench_ops.py [--repeats N] [--quick] [--torch-device auto|cpu|cuda]
+Run: python benchmarks/bench_ops.py [--repeats N] [--quick | --shapes 32x8732 ...] [--torch-device auto|cpu|cuda]
 
 Every jax function is jit-compiled and warmed up, timed with block_until_ready, and reported
 as the median of several runs. torch runs with as many threads as XLA:CPU uses (all the cores
@@ -108,6 +108,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="only the smallest shape")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="ROWSxCOLS",
+                        help="other shapes than the issue's three, e.g. 4x64 (the smoke test's)")
     parser.add_argument("--torch-device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: cuda when jax runs on a GPU and torch sees one, else cpu")
     args = parser.parse_args()
@@ -137,7 +139,8 @@ def main() -> None:
               f"{vs_tlse:>12} | {gbs:>6} |", flush=True)
 
     rng = np.random.default_rng(0)
-    for shape in SHAPES[:1] if args.quick else SHAPES:
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes] if args.shapes else SHAPES
+    for shape in shapes[:1] if args.quick else shapes:
         xn = rng.standard_normal(shape).astype(np.float32)
         kn = rng.integers(0, shape[1] // 4, shape[0]).astype(np.int32)
         xt, kt = torch.from_numpy(xn).to(tdev), torch.from_numpy(kn)[:, None].to(tdev)

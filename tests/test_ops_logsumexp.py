@@ -14,10 +14,19 @@ import torch
 from jax.test_util import check_grads
 
 from jaxport._errors import ConfigError
-from jaxport.ops import logsumexp
+from jaxport.ops import _logsumexp, logsumexp
 from tests.test_ops_data import np_dtype, to_torch
 
 TOL = {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}
+DEFAULT_ONE_PASS_MIN_SIZE = _logsumexp._ONE_PASS_MIN_SIZE
+
+
+@pytest.fixture(autouse=True, params=["one_pass", "shifted"])
+def path(request, monkeypatch):
+    """Every test runs on both paths: the one-pass sum (forced here down to any size; by default
+    only from _ONE_PASS_MIN_SIZE elements) and the max-shifted sum small inputs take."""
+    monkeypatch.setattr(_logsumexp, "_ONE_PASS_MIN_SIZE", 0 if request.param == "one_pass" else 1 << 62)
+    return request.param
 
 
 def _data(shape, dtype, seed=0, edges=True):
@@ -111,3 +120,15 @@ def test_logsumexp_errors_name_the_argument():
         logsumexp(jnp.zeros((2, 3)), axis=2)
     with pytest.raises(ConfigError, match=r"`b` has shape \(4,\)"):
         logsumexp(jnp.zeros((2, 3)), b=jnp.ones(4))
+
+
+def test_default_threshold_sends_small_inputs_to_the_shifted_path(monkeypatch):
+    # The benchmark shapes take the one pass (a cond on its exactness); tiny inputs do not, so
+    # XLA:CPU runs them inline instead of paying the check (58 us against 7 us at (4, 64)).
+    monkeypatch.setattr(_logsumexp, "_ONE_PASS_MIN_SIZE", DEFAULT_ONE_PASS_MIN_SIZE)
+
+    def has_cond(shape):
+        return "cond" in str(jax.make_jaxpr(lambda x: logsumexp(x, axis=-1))(jnp.zeros(shape)))
+
+    assert has_cond((32, 8732)) and has_cond((32, 1024))
+    assert not has_cond((4, 64)) and not has_cond((32, 256))

@@ -51,6 +51,11 @@ def test_hard_negative_and_logsumexp_sharded_equal_unsharded(mesh, split):
     )
     want = torch.logsumexp(torch.from_numpy(loss), 1).numpy()
     np.testing.assert_allclose(np.asarray(jax.jit(lambda x: logsumexp(x, axis=1))(ls)), want, rtol=1e-6)
+    # Large enough for the one-pass path (small inputs take the shifted one).
+    big = (rng.standard_normal((64, 1024)) * 3).astype(np.float32)
+    want = torch.logsumexp(torch.from_numpy(big), 1).numpy()
+    got = jax.jit(lambda x: logsumexp(x, axis=1))(jax.device_put(big, sharding))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
 
 
 def test_rank_inside_shard_map_per_device_rows(mesh):
