@@ -69,16 +69,15 @@ class BatchNorm(nn.Module):
         if train:
             # SyncBatchNorm (or custom_vjps=False): autodiff through the statistics (its
             # transposes of pmean are what the device-count tests prove).
-            mean, var, _ = _stats(xs, self.epsilon, self.axis_name)
+            mean, var, inv = _stats(xs, self.epsilon, self.axis_name)
             if not self.is_initializing():
                 n = x.size // features
                 n = n * jax.lax.psum(1, self.axis_name) if self.axis_name is not None else n
                 self._update_running(ra_mean, ra_var, count, mean, var, n)
         else:
-            mean, var = ra_mean.value, ra_var.value
-        inv = jax.lax.rsqrt(var.astype(stat_dtype) + self.epsilon) * scale.astype(stat_dtype)
-        y = (xs - mean.astype(stat_dtype)) * inv + bias.astype(stat_dtype)
-        return y.astype(x.dtype)
+            mean = ra_mean.value.astype(stat_dtype)
+            inv = jax.lax.rsqrt(ra_var.value.astype(stat_dtype) + self.epsilon)
+        return _affine(xs, mean, inv, scale.astype(stat_dtype), bias.astype(stat_dtype)).astype(x.dtype)
 
     def _update_running(self, ra_mean, ra_var, count, mean, var, n):
         """torch's update: biased batch variance normalises, the unbiased one is stored."""
@@ -88,6 +87,11 @@ class BatchNorm(nn.Module):
         ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(ra_mean.value.dtype)
         ra_var.value = ((1 - m) * ra_var.value + m * unbiased).astype(ra_var.value.dtype)
         count.value = count.value + 1
+
+
+def _affine(xs, mean, inv, scale, bias):
+    """The normalisation itself, one formula for every path (so their outputs agree bit for bit)."""
+    return (xs - mean) * (inv * scale) + bias
 
 
 def _stats(xs: jax.Array, eps: float, axis_name: str | None = None):
@@ -113,7 +117,7 @@ def _train_norm(xs: jax.Array, scale: jax.Array, bias: jax.Array, eps: float):
 
 def _train_norm_fwd(xs, scale, bias, eps):
     mean, var, inv = _stats(xs, eps)
-    return ((xs - mean) * (inv * scale) + bias, mean, var), (xs, scale, mean, inv)
+    return (_affine(xs, mean, inv, scale, bias), mean, var), (xs, scale, mean, inv)
 
 
 def _train_norm_bwd(eps, res, cts):
