@@ -202,3 +202,19 @@ def test_strided_conv_input_gradient_has_no_dilated_convolution():
     plain = jax.jit(lambda a: jax.vjp(lambda a_: jax.lax.conv_general_dilated(
         a_, w, (2, 2), ((1, 1), (1, 1)), dimension_numbers=("NHWC", "HWIO", "NHWC")), a)[1](g)).lower(x).compile().as_text()
     assert "lhs_dilate" in plain  # the check can see what it forbids
+
+
+@pytest.mark.parametrize("shape,k,stride,pad", [((2, 9, 7, 4), 3, 2, 1), ((1, 15, 16, 3), 7, 2, 3)])
+def test_strided_conv_default_branch_equals_the_phase_split(x64, shape, k, stride, pad):
+    # Off CPU the input gradient is jax's own; CPU runs only the phase split, so check the
+    # other branch here directly against it (both in float64).
+    from jaxport.models._grads import _default_input_grad, _phase_input_grad
+
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal(shape))
+    w = jnp.asarray(rng.standard_normal((k, k, shape[-1], 5)))
+    g = jnp.asarray(rng.standard_normal(jax.eval_shape(
+        lambda: jax.lax.conv_general_dilated(x, w, (stride, stride), ((pad, pad), (pad, pad)),
+                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))).shape))
+    np.testing.assert_allclose(np.asarray(_default_input_grad(x, w, g, stride, pad)),
+                               np.asarray(_phase_input_grad(x, w, g, stride, pad)), rtol=1e-12, atol=1e-12)

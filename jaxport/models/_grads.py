@@ -138,15 +138,20 @@ def _phase_taps(size: int, k: int, stride: int, padding: int, a: int) -> tuple[i
 
 def _strided_conv_bwd(stride, padding, res, g):
     x, kernel = res
-    _, vjp = jax.vjp(lambda x_, w: _conv(x_, w, stride, padding), x, kernel)
-    dx, d_kernel = vjp(g)
+    d_kernel = jax.vjp(lambda w: _conv(x, w, stride, padding), kernel)[1](g)[0]
     # The phase split is an XLA:CPU finding; GPU convolution libraries handle strides natively.
+    # Each branch computes its own input gradient, so the CPU program never holds jax's.
     dx = jax.lax.platform_dependent(
         x, kernel, g,
         cpu=lambda x_, w, g_: _phase_input_grad(x_, w, g_, stride, padding),
-        default=lambda x_, w, g_: dx,
+        default=lambda x_, w, g_: _default_input_grad(x_, w, g_, stride, padding),
     )
     return dx, d_kernel
+
+
+def _default_input_grad(x, kernel, g, stride, padding):
+    """jax's own input gradient (a convolution over the zero-dilated `g`)."""
+    return jax.vjp(lambda x_: _conv(x_, kernel, stride, padding), x)[1](g)[0]
 
 
 def _phase_input_grad(x, kernel, g, stride, padding):
