@@ -39,6 +39,19 @@ def test_host_kernels_refuse_an_out_of_the_wrong_shape():
         _host.rank_rows(key, out=np.empty((5, 3), np.int32))
 
 
+@pytest.mark.parametrize("kernel", ["rank_rows", "topk_rows"])
+def test_host_kernels_refuse_an_out_they_could_only_write_a_copy_of(kernel):
+    # A (2, 3, 4) array with its first two axes swapped in memory cannot be seen as (6, 4)
+    # rows without a copy, and results written into a copy would be lost.
+    key = np.arange(24, dtype=np.uint32).reshape(2, 3, 4)
+    dtype = np.int32 if kernel == "rank_rows" else np.bool_
+    out = np.zeros((3, 2, 4), dtype).transpose(1, 0, 2)
+    args = (key,) if kernel == "rank_rows" else (key, np.ones((2, 3), np.int64))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        getattr(_host, kernel)(*args, out=out)
+    assert not out.any()
+
+
 @pytest.mark.parametrize("bridge", ["buffer_callback", "pure_callback"])
 def test_both_callback_bridges_match_torch_under_jit_and_vmap(bridge, monkeypatch):
     if bridge == "pure_callback":

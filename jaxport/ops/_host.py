@@ -41,8 +41,13 @@ def _rows_view(out: np.ndarray | None, shape: tuple[int, ...], dtype) -> tuple[n
         raise ValueError(f"out has {out.shape} {out.dtype}, expected {shape} {np.dtype(dtype)}")
     if out.size == 0:
         return out, out
-    rows = out.view()
-    rows.shape = (-1, shape[-1])  # raises rather than silently writing into a copy
+    rows = out.reshape(-1, shape[-1])
+    # reshape copies an array it cannot view (e.g. a strided `out`), and writes into a copy
+    # would never reach `out`. (Assigning `.shape`, which raised instead, is deprecated in
+    # numpy 2.5.)
+    if not np.may_share_memory(rows, out):
+        raise ValueError(f"out (shape {out.shape}, strides {out.strides}) cannot be viewed as rows; "
+                         "pass a C-contiguous array")
     return out, rows
 
 
