@@ -259,7 +259,9 @@ def test_trusted_whole_module(tmp_path):
         load_state_dict(path)
     assert_same(load_state_dict(path, trusted=True), net.state_dict())
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated
+        # torch.jit is deprecated: FutureWarning in torch 2.14, DeprecationWarning in 2.11.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         assert_same(load_state_dict(_torchscript(tmp_path / "ts.pt"), trusted=True),
                     tiny_net().state_dict())
     torch.save({"model": nn.DataParallel(net), "epoch": 1}, path)  # a module inside a dict
@@ -328,7 +330,9 @@ def _zip_with_text(path):
 
 def _torchscript(path):
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # torch.jit is deprecated, files exist
+        # torch.jit is deprecated (see test_trusted_whole_module), but such files exist.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         torch.jit.save(torch.jit.script(tiny_net()), path)
     return path
 
