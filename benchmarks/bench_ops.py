@@ -1,6 +1,7 @@
 """Speed of jaxport.ops against torch's double sort, jnp's double argsort and logsumexp.
 
 Run: python benchmarks/bench_ops.py [--repeats N] [--quick | --shapes 32x8732 ...] [--torch-device auto|cpu|cuda]
+                                   [--ops rank topk_mask logsumexp] [--dispatch async|sync]
 
 Every jax function is jit-compiled and warmed up, timed with block_until_ready, and reported
 as the median of several runs. torch runs with as many threads as XLA:CPU uses (all the cores
@@ -13,6 +14,13 @@ pure-XLA kernels that other backends use, shown on CPU for comparison.
 On a GPU machine jax runs on its default backend (the GPU) and torch, by default, on CUDA too
 (`--torch-device auto`): the table is then GPU against GPU, each torch call timed up to
 `torch.cuda.synchronize()`.
+
+`--dispatch sync` sets jax's `jax_cpu_enable_async_dispatch=False` before the backend starts:
+each jax call then runs in the calling thread instead of being handed to jax's dispatch
+thread and waited for. On this project's 2-core VMs that hand-off costs ~40-50 us per
+standalone call (a 0.1 ms logsumexp, or a 6 us `jnp.sum` of 8192 floats, pays it in full);
+the option shows the ops' time without it. It is jax's runtime setting, applies to every jax
+function in the table (jax.nn.logsumexp included), and only to CPU.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from jaxport.ops._rank import rank_impl  # noqa: E402
 from jaxport.ops._topk import topk_mask_impl  # noqa: E402
 
 SHAPES = [(32, 8732), (256, 8732), (1024, 32768)]
+OPS = ("rank", "topk_mask", "logsumexp")
 
 
 def _median_ms(fn, repeats: int) -> float:
@@ -112,7 +121,12 @@ def main() -> None:
                         help="other shapes than the issue's three, e.g. 4x64 (the smoke test's)")
     parser.add_argument("--torch-device", default="auto", choices=["auto", "cpu", "cuda"],
                         help="auto: cuda when jax runs on a GPU and torch sees one, else cpu")
+    parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS, help="which ops to time")
+    parser.add_argument("--dispatch", default="async", choices=["async", "sync"],
+                        help="jax CPU dispatch: async (jax's default) or sync (see the module doc)")
     args = parser.parse_args()
+    # Read when the CPU backend is created, so before the first jax.devices() below.
+    jax.config.update("jax_cpu_enable_async_dispatch", args.dispatch == "async")
     tdev = args.torch_device
     if tdev == "auto":
         tdev = "cuda" if jax.default_backend() == "gpu" and torch.cuda.is_available() else "cpu"
@@ -127,7 +141,7 @@ def main() -> None:
           f"torch on {tdev}" + (f" ({torch.cuda.get_device_name()})" if tdev == "cuda" else "") + ", "
           + (f"threads: xla={threads}, torch=best of {{{threads}, 1}}, " if tdev == "cpu" else "")
           + f"median of >= {args.repeats} calls "
-          f"(sub-ms calls: ~0.3 s of calls)")
+          f"(sub-ms calls: ~0.3 s of calls), jax dispatch: {args.dispatch}")
     print(f"# measured memory read bandwidth: {bw:.1f} GB/s (jit sum over 512 MiB float32); "
           f"load average at start: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     print(f"| {'op':<26} | {'shape':<13} | {'time ms':>9} | {'vs torch dbl sort':>17} | "
@@ -146,31 +160,34 @@ def main() -> None:
         xt, kt = torch.from_numpy(xn).to(tdev), torch.from_numpy(kn)[:, None].to(tdev)
         x, k = jnp.asarray(xn), jnp.asarray(kn)
 
-        t_dbl = _torch_ms(lambda: xt.sort(dim=-1, stable=True).indices.argsort(dim=-1), args.repeats, threads, tdev)
-        t_dbl_topk = _torch_ms(lambda: xt.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1) < kt,
-                               args.repeats, threads, tdev)
-        row("torch double sort (rank)", shape, t_dbl, "1.00x")
-        row("torch double sort < k", shape, t_dbl_topk, "1.00x")
-        naive = jax.jit(lambda x: jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True))
-        t = _median_ms(_jax(naive, x), args.repeats)
-        row("jnp.argsort(jnp.argsort)", shape, t, f"{t_dbl / t:.2f}x")
-        for name, fn in [("rank", jax.jit(rank)),
-                         ("rank[xla]", jax.jit(lambda x: rank_impl(x, method="xla")))]:
-            t = _median_ms(_jax(fn, x), args.repeats)
-            row(name, shape, t, f"{t_dbl / t:.2f}x")
-        for name, fn in [("topk_mask (per-row k)", jax.jit(topk_mask)),
-                         ("topk_mask[xla] (per-row k)", jax.jit(lambda x, k: topk_mask_impl(x, k, method="xla")))]:
-            t = _median_ms(_jax(fn, x, k), args.repeats)
-            row(name, shape, t, f"{t_dbl_topk / t:.2f}x")
-
-        t_tlse = _torch_ms(lambda: torch.logsumexp(xt, dim=-1), args.repeats, threads, tdev)
-        t_jlse = _median_ms(_jax(jax.jit(lambda x: jax.nn.logsumexp(x, axis=-1)), x), args.repeats)
-        t = _median_ms(_jax(jax.jit(lambda x: logsumexp(x, axis=-1)), x), args.repeats)
-        gbs = lambda ms: f"{xn.nbytes / (ms * 1e-3) / 1e9:.2f}"  # noqa: E731
-        row("torch.logsumexp", shape, t_tlse, "", f"{t_jlse / t_tlse:.2f}x", "1.00x", gbs(t_tlse))
-        row("jax.nn.logsumexp", shape, t_jlse, "", "1.00x", f"{t_tlse / t_jlse:.2f}x", gbs(t_jlse))
-        row("logsumexp", shape, t, "", f"{t_jlse / t:.2f}x", f"{t_tlse / t:.2f}x", gbs(t))
-
+        if "rank" in args.ops:
+            t_dbl = _torch_ms(lambda: xt.sort(dim=-1, stable=True).indices.argsort(dim=-1), args.repeats, threads, tdev)
+            row("torch double sort (rank)", shape, t_dbl, "1.00x")
+        if "topk_mask" in args.ops:
+            t_dbl_topk = _torch_ms(lambda: xt.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1) < kt,
+                                   args.repeats, threads, tdev)
+            row("torch double sort < k", shape, t_dbl_topk, "1.00x")
+        if "rank" in args.ops:
+            naive = jax.jit(lambda x: jnp.argsort(jnp.argsort(x, axis=-1, stable=True), axis=-1, stable=True))
+            t = _median_ms(_jax(naive, x), args.repeats)
+            row("jnp.argsort(jnp.argsort)", shape, t, f"{t_dbl / t:.2f}x")
+            for name, fn in [("rank", jax.jit(rank)),
+                             ("rank[xla]", jax.jit(lambda x: rank_impl(x, method="xla")))]:
+                t = _median_ms(_jax(fn, x), args.repeats)
+                row(name, shape, t, f"{t_dbl / t:.2f}x")
+        if "topk_mask" in args.ops:
+            for name, fn in [("topk_mask (per-row k)", jax.jit(topk_mask)),
+                             ("topk_mask[xla] (per-row k)", jax.jit(lambda x, k: topk_mask_impl(x, k, method="xla")))]:
+                t = _median_ms(_jax(fn, x, k), args.repeats)
+                row(name, shape, t, f"{t_dbl_topk / t:.2f}x")
+        if "logsumexp" in args.ops:
+            t_tlse = _torch_ms(lambda: torch.logsumexp(xt, dim=-1), args.repeats, threads, tdev)
+            t_jlse = _median_ms(_jax(jax.jit(lambda x: jax.nn.logsumexp(x, axis=-1)), x), args.repeats)
+            t = _median_ms(_jax(jax.jit(lambda x: logsumexp(x, axis=-1)), x), args.repeats)
+            gbs = lambda ms: f"{xn.nbytes / (ms * 1e-3) / 1e9:.2f}"  # noqa: E731
+            row("torch.logsumexp", shape, t_tlse, "", f"{t_jlse / t_tlse:.2f}x", "1.00x", gbs(t_tlse))
+            row("jax.nn.logsumexp", shape, t_jlse, "", "1.00x", f"{t_tlse / t_jlse:.2f}x", gbs(t_jlse))
+            row("logsumexp", shape, t, "", f"{t_jlse / t:.2f}x", f"{t_tlse / t:.2f}x", gbs(t))
 
 if __name__ == "__main__":
     main()
