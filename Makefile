@@ -8,10 +8,18 @@ STAMP  := $(VENV)/.jaxport-installed
 
 .PHONY: port test bench install clean
 
+# A fresh machine downloads ~3 GB (torch's CUDA-enabled build and its libraries). A download
+# that breaks off fails pip even after its own resume retries (seen on 2026-11-30: triton's
+# wheel stopped at 111 of 248 MB six times in a row, then downloaded in 2 s a minute later), so
+# each pip command gets three tries, 30 s apart; pip skips what it already installed.
+RETRY := for try in 1 2 3; do if
+DONE  := ; then break; fi; test $$try = 3 && exit 1; \
+	echo "pip failed (try $$try of 3); retrying in 30 s" >&2; sleep 30; done
+
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	$(RETRY) $(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip $(DONE)
+	$(RETRY) $(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]' $(DONE)
 	touch $@
 
 install: $(STAMP)
