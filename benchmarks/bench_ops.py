@@ -189,5 +189,6 @@ def main() -> None:
             row("jax.nn.logsumexp", shape, t_jlse, "", "1.00x", f"{t_tlse / t_jlse:.2f}x", gbs(t_jlse))
             row("logsumexp", shape, t, "", f"{t_jlse / t:.2f}x", f"{t_tlse / t:.2f}x", gbs(t))
 
+
 if __name__ == "__main__":
     main()
