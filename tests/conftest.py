@@ -20,3 +20,10 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed_torch():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def x64():
+    """float64 inside the test (``jax.enable_x64``), for comparisons tight enough to mean exact."""
+    with jax.enable_x64(True):
+        yield

@@ -15,12 +15,6 @@ from jaxport.models._grads import conv1x1, max_pool
 DTYPES = {"float32": (np.float32, 1e-6), "float64": (np.float64, 1e-13)}
 
 
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
-
-
 def _nchw(a):
     return torch.tensor(np.ascontiguousarray(np.moveaxis(a, -1, 1)))
 

@@ -15,11 +15,6 @@ import pytest
 
 from jaxport import models
 
-@pytest.fixture
-def x64():
-    with jax.enable_x64(True):
-        yield
-
 
 @functools.cache
 def _setup(arch, dtype=jnp.float64, size=16):

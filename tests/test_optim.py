@@ -71,8 +71,7 @@ def test_sgd_with_schedule_matches_torch_step_lr():
             self.opt.step()
             self.sched.step()
 
-    make = StepThenSchedule
-    _run_both(make, optim.sgd(optim.step_lr(0.1, 3, 0.5), momentum=0.9))
+    _run_both(StepThenSchedule, optim.sgd(optim.step_lr(0.1, 3, 0.5), momentum=0.9))
 
 
 def _torch_lrs(make_sched, n):
