@@ -80,8 +80,9 @@ def main(argv=None) -> None:
         ref = ref.to(memory_format=torch.channels_last)
     torch_models = {"eager": ref, "compile": torch.compile(ref) if "compile" in torch_variants else None}
     cast = lambda t: jax.device_put(jnp.asarray(t, jdtype if jnp.issubdtype(t.dtype, jnp.floating) else t.dtype), jax_device)
-    variables = jax.tree.map(cast, torch_compat.torch_to_flax(sd))
-    folded = jax.tree.map(cast, models.fold_batchnorm(torch_compat.torch_to_flax(sd), "resnet50"))
+    ported = torch_compat.torch_to_flax(sd)
+    variables = jax.tree.map(cast, ported)
+    folded = jax.tree.map(cast, models.fold_batchnorm(ported, "resnet50"))
     model, folded_model = models.resnet50(), models.build_folded("resnet50")
     apply_args = jax.jit(model.apply, compiler_options=opts)
     apply_const = jax.jit(lambda x: model.apply(variables, x), compiler_options=opts)
