@@ -44,6 +44,49 @@ def _load_checkpoint(path: str, trusted: bool, ema: bool):
     return load_state_dict(path, trusted=trusted, ema=ema, mmap=True)
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.exists() and b.exists() and os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+# What a `jaxport train` workdir holds (an export may go beside them, never over them).
+_WORKDIR_FILES = ("checkpoints", "variables.safetensors", "metrics.jsonl", "training_curves.png")
+
+
+def _check_output(out: Path, src: Path, what: str) -> None:
+    """Refuse an output path that would destroy the input, or that is a directory."""
+    inside_run = src.is_dir() and any(
+        out.resolve() == (src / name).resolve() or out.resolve().is_relative_to((src / name).resolve())
+        for name in _WORKDIR_FILES)
+    if _same_file(out, src) or inside_run:
+        raise ConfigError(f"`--out` (={out}) is part of the {what} being read; writing there would destroy it: "
+                          "choose another output path")
+    if out.is_dir():
+        raise ConfigError(f"`--out` (={out}) is a directory; pass a file path, e.g. {out / 'model.safetensors'}")
+
+
+def _default_port_output(ckpt: Path) -> Path:
+    """`<name>.safetensors` in the current directory, never the checkpoint itself nor a file
+    that is not an earlier port (a torch .safetensors checkpoint must not be replaced by its port)."""
+    from ._io import FORMAT, read_metadata
+
+    stem = ckpt.name.split(".")[0] or "variables"
+    out = Path(stem + ".safetensors")
+    if _same_file(out, ckpt) or ckpt.suffix == ".safetensors":
+        out = Path(stem + ".flax.safetensors")
+    if out.exists():
+        try:
+            ours = read_metadata(out).get("format") == FORMAT
+        except JaxportError:
+            ours = False
+        if not ours or _same_file(out, ckpt):
+            raise ConfigError(f"the default output '{out}' already exists and is not a jaxport variables file; "
+                              "pass --out to name the output (nothing was overwritten)")
+    return out
+
+
 def _print_reports(reports) -> bool:
     for r in reports:
         print(r.table())
@@ -65,6 +108,9 @@ def _cmd_port(args) -> int:
             step("checking the checkpoint")
             ckpt = Path(args.checkpoint)
             print(f"checkpoint: {ckpt}")
+        # Decided before any work, so a refused output costs nothing.
+        out = Path(args.out) if args.out else _default_port_output(ckpt)
+        _check_output(out, ckpt, "checkpoint")
         t0 = time.perf_counter()
         step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
         state_dict = _load_checkpoint(str(ckpt), args.trusted, args.ema)
@@ -78,7 +124,6 @@ def _cmd_port(args) -> int:
         print(f"architecture: {detected} ({'detected' if arch is None else 'given'}), "
               f"{torch_compat.num_classes_of(state_dict)} classes, {len(state_dict)} tensors, "
               f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
-        out = Path(args.out) if args.out else Path(ckpt.name.split(".")[0] + ".safetensors")
         step("saving")
         save_variables(out, variables, arch=detected, metadata={"source": ckpt.name})
         print(f"wrote: {out} ({_human(out.stat().st_size)}; loaded + converted in {t1 - t0:.2f} s)")
@@ -118,7 +163,8 @@ def _cmd_export(args) -> int:
 
     from ._io import atomic_path, load_variables, read_metadata
 
-    src = Path(args.variables)
+    src, out = Path(args.variables), Path(args.out)
+    _check_output(out, src, "variables file" if not src.is_dir() else "training workdir")
     if src.is_dir():
         from .train import load_workdir
 
@@ -130,12 +176,19 @@ def _cmd_export(args) -> int:
     if not arch:
         raise ConfigError(f"'{src}' does not record its architecture; pass --arch (e.g. --arch resnet50)")
     state_dict = torch_compat.flax_to_torch(variables, arch)
-    out = Path(args.out)
     with atomic_path(out) as tmp:
-        torch.save(state_dict, tmp)
+        if out.suffix == ".safetensors":  # the name says safetensors: no pickle inside it
+            import safetensors.torch
+
+            safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp),
+                                        metadata={"format": "pt"})
+            load = "safetensors.torch.load_file(path)"
+        else:
+            torch.save(state_dict, tmp)
+            load = "torch.load(path)"
     print(f"wrote: {out} ({_human(out.stat().st_size)}), a torchvision {arch} state_dict "
           f"(torchvision.models.{arch}(num_classes={torch_compat.num_classes_of(state_dict)})"
-          ".load_state_dict(torch.load(path), strict=True))")
+          f".load_state_dict({load}, strict=True))")
     return 0
 
 
@@ -183,7 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Convert a torch checkpoint to Flax variables. With no CHECKPOINT, ports an "
                                    "embedded default ResNet-50 saved like a GPU DataParallel run.")
     p.add_argument("checkpoint", nargs="?", help="a .pt/.pth/.bin/.safetensors file (default: embedded ResNet-50)")
-    p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory)")
+    p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory, "
+                                 "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
     loading(p)
     p.set_defaults(func=_cmd_port)
@@ -202,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write Flax variables (or a training workdir) as a torch state_dict")
     p.add_argument("variables", help="a variables .safetensors file or a `jaxport train` workdir")
     p.add_argument("--arch", choices=list(ARCHS), metavar="ARCH", help="architecture (default: recorded in the file)")
-    p.add_argument("--out", required=True, help="output .pt file")
+    p.add_argument("--out", required=True,
+                   help="output file: torch.save format (.pt/.pth), or safetensors if it ends in .safetensors")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("env", help="versions, devices and known-bad combinations")

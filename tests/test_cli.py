@@ -111,6 +111,56 @@ def test_errors_are_one_line_without_traceback(tmp_path, resnet18_checkpoint, ca
     assert e.value.code == 2
 
 
+def test_port_never_overwrites_its_checkpoint_or_a_foreign_file(tmp_path, monkeypatch, capsys):
+    """Nothing is lost: a torch .safetensors checkpoint is not replaced by its port (the default
+    name moves aside), `--out` naming the input is refused, and so is a default output that
+    exists but is not an earlier port."""
+    monkeypatch.chdir(tmp_path)
+    import safetensors.torch
+
+    sd = reference("resnet18").state_dict()
+    safetensors.torch.save_file({k: v.contiguous() for k, v in sd.items()}, "r18.safetensors")
+    original = Path("r18.safetensors").read_bytes()
+    assert main(["port", "r18.safetensors"]) == 0
+    assert Path("r18.safetensors").read_bytes() == original
+    assert jaxport.read_metadata("r18.flax.safetensors")["arch"] == "resnet18"
+    assert main(["port", "r18.safetensors"]) == 0  # an earlier port may be replaced
+    capsys.readouterr()
+
+    assert main(["port", "r18.safetensors", "--out", str(tmp_path / "r18.safetensors")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "`--out`", "is part of the checkpoint being read")
+    assert Path("r18.safetensors").read_bytes() == original
+
+    torch.save(sd, "model.pth")
+    Path("model.safetensors").write_bytes(b"someone else's file")
+    assert main(["port", "model.pth"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "'model.safetensors' already exists", "--out")
+    assert Path("model.safetensors").read_bytes() == b"someone else's file"
+
+    assert main(["port", "model.pth", "--out", str(tmp_path)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "is a directory")
+
+
+def test_export_writes_safetensors_by_name_and_never_over_its_input(tmp_path, capsys):
+    variables = jaxport.save_variables(tmp_path / "v.safetensors",
+                                       torch_compat.torch_to_flax(reference("resnet18").state_dict()), arch="resnet18")
+    before = variables.read_bytes()
+    assert main(["export", str(variables), "--out", str(variables)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "is part of the variables file being read")
+    assert variables.read_bytes() == before
+
+    import safetensors.torch
+
+    assert main(["export", str(variables), "--out", str(tmp_path / "t.safetensors")]) == 0
+    assert main(["export", str(variables), "--out", str(tmp_path / "t.pt")]) == 0
+    assert "safetensors.torch.load_file(path)" in capsys.readouterr().out
+    from_st = safetensors.torch.load_file(tmp_path / "t.safetensors")  # a real safetensors file: no pickle
+    from_pt = torch.load(tmp_path / "t.pt", weights_only=True)
+    assert from_st.keys() == from_pt.keys()
+    assert all(from_st[k].dtype == v.dtype and torch.equal(from_st[k], v) for k, v in from_pt.items())
+    torchvision.models.resnet18(num_classes=10).load_state_dict(from_st, strict=True)
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, (f"touch {_Payload.marker}",))
