@@ -20,3 +20,7 @@ class ConversionError(JaxportError, ValueError):
 
 class ConfigError(JaxportError, ValueError):
     """An argument or setting has an invalid value."""
+
+
+class DivergedError(JaxportError, ArithmeticError):
+    """Training produced a non-finite loss or weights; nothing non-finite was saved."""

@@ -4,6 +4,7 @@ Subprocess runs use 2 simulated CPU devices and ResNet-18 at 16 px so each takes
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import torchvision
 from PIL import Image
 
 from jaxport._errors import CheckpointError, ConfigError
-from jaxport.train import TrainConfig, load_workdir, train
+from jaxport.train import DivergedError, TrainConfig, load_workdir, train
 from jaxport.train import _data
 from torch_compat import flax_to_torch
 
@@ -89,6 +90,14 @@ def test_train_digits_export_and_metrics(tmp_path):
         torch_logits = model.eval()(torch.tensor(x.transpose(0, 3, 1, 2))).numpy()
     np.testing.assert_allclose(jax_logits, torch_logits, rtol=1e-4, atol=1e-4)
 
+    # `jaxport export WORKDIR` may write beside the run's files, never over them
+    from jaxport._cli import main
+
+    assert main(["export", str(tmp_path), "--out", str(final)]) == 2
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "checkpoints" / "x.pt")]) == 2
+    assert read_metadata(final)["arch"] == arch
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "model.pt")]) == 0
+
     # the same workdir without --resume is refused
     with pytest.raises(ConfigError, match="already holds checkpoints.*--resume"):
         train(cfg)
@@ -105,6 +114,45 @@ def test_corrupt_checkpoint_on_resume(tmp_path):
                 fh.truncate(max(0, os.path.getsize(os.path.join(root, f)) // 3))
     with pytest.raises(CheckpointError, match=r"checkpoint step 2 .* cannot be read .*delete .*2 to resume from step 1"):
         train(TrainConfig(**{**cfg.__dict__, "resume": True}))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("checkpoint_every", 0, r"`--checkpoint-every` \(=0\) must be >= 1"),  # was a ZeroDivisionError
+    ("keep_checkpoints", 0, r"`--keep-checkpoints` \(=0\) must be >= 1"),
+    ("max_steps", 0, r"`--max-steps` \(=0\) must be >= 1"),
+    ("devices", 0, r"`devices` \(=0\) must be >= 1"),  # library only: no CLI flag
+    ("workers", -1, r"`--workers` \(=-1\) must be >= 0"),
+    ("lr", float("nan"), r"`--lr` \(=nan\) must be a finite number > 0"),  # NaN passes `lr <= 0`
+    ("lr", float("inf"), r"`--lr` \(=inf\) must be a finite number > 0"),
+    ("momentum", -0.5, r"`--momentum` \(=-0.5\) must be a finite number >= 0"),
+    ("weight_decay", float("nan"), r"`--weight-decay` \(=nan\) must be a finite number >= 0"),
+])
+def test_invalid_settings_are_refused_before_any_work(tmp_path, field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        train(TrainConfig(workdir=str(tmp_path / "w"), **{field: value}))
+    assert not (tmp_path / "w").exists()
+
+
+def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
+    """A run whose loss or weights turn non-finite stops with a clear error naming the step and
+    the latest checkpoint; nothing non-finite is ever saved, so the checkpoints left (and the
+    previous run's final variables) are finite and --resume can continue from them."""
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
+                      checkpoint_every=1, keep_checkpoints=2, progress=False, devices=1)
+    train(cfg)
+    final = (tmp_path / "variables.safetensors").read_bytes()
+    with pytest.raises(DivergedError) as e:
+        train(TrainConfig(**{**cfg.__dict__, "resume": True, "lr": 1e12, "max_steps": 12}))
+    m = re.fullmatch(r"training diverged: the (loss|weights) became \S+ at step (\d+); nothing non-finite was "
+                     r"saved, and the latest checkpoint, step (\d+), is intact: rerun with --resume and a lower "
+                     r"--lr \(now 1000000000000.0; --momentum 0.9\) to continue from it \(or check .*\)", str(e.value))
+    assert m, str(e.value)
+    failed, latest = int(m[2]), int(m[3])
+    assert 2 <= latest < failed
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == latest and len(steps) <= 2
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(load_workdir(str(tmp_path))[0]))
+    assert (tmp_path / "variables.safetensors").read_bytes() == final
 
 
 def _image_folder(root, classes=("a", "b"), per_class=6, corrupt=0):

@@ -20,6 +20,7 @@ from ._data import digits as digits
 from ._data import image_folder as image_folder
 from ._loop import TrainConfig as TrainConfig
 from ._loop import train as train
+from .._errors import DivergedError as DivergedError
 from ._memory import OutOfMemoryError as OutOfMemoryError
 from ._memory import largest_batch as largest_batch
 from ._memory import step_bytes as step_bytes

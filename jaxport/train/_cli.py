@@ -59,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
     result = train(config_from_args(args))
     if "val_acc" in result:
         print(f"val accuracy {result['val_acc']:.4f}, checkpoints in {args.workdir}")
+    else:  # --max-steps ended the run mid-epoch: no evaluation happened
+        print(f"stopped at step {int(result['state'].step)} (--max-steps), checkpoints in {args.workdir}")
     return 0
 
 

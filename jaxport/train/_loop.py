@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import ConfigError
+from .._errors import ConfigError, DivergedError
 from .._io import atomic_path, save_variables
 from ..models import ARCHS, build
 from . import _checkpoint, _data, _distributed, _memory
@@ -61,13 +61,22 @@ class TrainConfig:
 def _validate(cfg: TrainConfig) -> None:
     if cfg.arch not in ARCHS:
         raise ConfigError(f"`--arch` (={cfg.arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
-    for name in ("epochs", "image_size"):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)}) must be >= 1")
+    for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices"):
+        value = getattr(cfg, name)
+        if value is not None and value < 1:
+            flag = name if name == "devices" else "--" + name.replace("_", "-")  # `devices`: library only
+            raise ConfigError(f"`{flag}` (={value}) must be >= 1")
+    if cfg.workers is not None and cfg.workers < 0:
+        raise ConfigError(f"`--workers` (={cfg.workers}) must be >= 0 (0 loads in the main process)")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"`--dtype` (={cfg.dtype!r}) must be float32 or bfloat16")
-    if cfg.lr <= 0:
-        raise ConfigError(f"`--lr` (={cfg.lr}) must be > 0")
+    # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
+    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ConfigError(f"`--lr` (={cfg.lr}) must be a finite number > 0")
+    for name in ("momentum", "weight_decay"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"`--{name.replace('_', '-')}` (={value}) must be a finite number >= 0")
     if cfg.batch_size != "auto" and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
     if cfg.data is not None and not os.path.isdir(cfg.data):
@@ -133,6 +142,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         already holds a run without `resume`, bad data directories, ...).
       CheckpointError: a checkpoint to resume from or an `init` file cannot be read.
       OutOfMemoryError: the step does not fit in device memory (names a batch that fits).
+      DivergedError: the loss or the weights became non-finite (inf/NaN); raised before any
+        such state is checkpointed, naming the step and the last good checkpoint.
     """
     _validate(cfg)
     _distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
@@ -237,6 +248,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                 gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
                 if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop:
                     got = jax.device_get(pending)
+                    _check_finite([float(p["loss"]) for p in got], gstep, mngr, cfg)
                     sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
                     pending = []
                     if bar is not None:
@@ -246,27 +258,32 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                     bar.update(1)
                 if gstep % cfg.checkpoint_every == 0 and s + 1 != steps_per_epoch:
                     meta["epoch_sums"] = sums.tolist()
-                    _checkpoint.save(mngr, gstep, state, meta)
+                    _save_finite(mngr, gstep, state, meta, cfg)
             elapsed = time.perf_counter() - t0
             if bar is not None:
                 bar.close()
             if stop < steps_per_epoch:  # max_steps reached mid-epoch
                 meta["epoch_sums"] = sums.tolist()
                 if mngr.latest_step() != gstep:
-                    _checkpoint.save(mngr, gstep, state, meta)
+                    _save_finite(mngr, gstep, state, meta, cfg)
                 break
             row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
                    "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
                    "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
             row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
             meta["epoch_sums"] = [0.0, 0.0, 0.0]
-            _checkpoint.save(mngr, gstep, state, meta)
+            _save_finite(mngr, gstep, state, meta, cfg)
             if lead:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(row) + "\n")
                 say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
                     f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
             result = row
+    except DivergedError:
+        if bar is not None:
+            bar.close()
+        mngr.close()
+        raise
     except Exception as e:  # noqa: BLE001 - only out-of-memory is translated; the rest propagates
         if bar is not None:
             bar.close()  # end the progress line so the error starts on its own
@@ -283,6 +300,36 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch)
     result["state"] = state
     return result
+
+
+def _diverged(what: str, step: int, mngr, cfg: TrainConfig) -> DivergedError:
+    good = mngr.latest_step()
+    lower = f"a lower --lr (now {cfg.lr}; --momentum {cfg.momentum})"
+    kept = (f"the latest checkpoint, step {good}, is intact: rerun with --resume and {lower} to continue from it"
+            if good is not None else f"no checkpoint was written: train again with {lower}")
+    return DivergedError(f"training diverged: {what} at step {step}; nothing non-finite was saved, and {kept} "
+                         "(or check the data and --init weights)")
+
+
+def _check_finite(losses: list[float], gstep: int, mngr, cfg: TrainConfig) -> None:
+    """Stop at the first non-finite loss of the steps just fetched (the last one is `gstep`)."""
+    for i, loss in enumerate(losses):
+        if not math.isfinite(loss):
+            raise _diverged(f"the loss became {loss}", gstep - len(losses) + i + 1, mngr, cfg)
+
+
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def _save_finite(mngr, gstep: int, state, meta: dict, cfg: TrainConfig) -> None:
+    """Save a checkpoint, unless the weights are no longer finite (a finite loss can still be
+    followed by an update that overflows): never rotate good checkpoints out for broken ones."""
+    if not bool(_all_finite(state.variables)):
+        raise _diverged("the weights became non-finite", gstep, mngr, cfg)
+    _checkpoint.save(mngr, gstep, state, meta)
 
 
 def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMemoryError:
