@@ -19,7 +19,7 @@ import torchvision
 from PIL import Image
 
 from jaxport._errors import CheckpointError, ConfigError
-from jaxport.train import DivergedError, TrainConfig, load_workdir, train
+from jaxport.train import DivergedError, Interrupted, TrainConfig, load_workdir, train
 from jaxport.train import _data
 from torch_compat import flax_to_torch
 
@@ -57,6 +57,57 @@ def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path):
     b, arch = load_workdir(str(killed))
     assert arch == "resnet18"
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_the_last_step_and_resume_is_exact(tmp_path):
+    """A scheduler's SIGTERM (or Ctrl-C's SIGINT) stops after the step in progress, checkpoints
+    it, and exits 128 + signal with one line; --resume ends with the uninterrupted weights."""
+    full, stopped = tmp_path / "full", tmp_path / "stopped"
+    cmd, env = _cli(full, "--max-steps", "14")
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+
+    cmd, env = _cli(stopped, "--max-steps", "14")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not (stopped / "checkpoints" / "4").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err
+    m = re.search(r"^jaxport: interrupted: SIGTERM at step (\d+): checkpoint saved in .*; continue with --resume$",
+                  err, re.M)
+    assert m, err
+    steps = sorted(int(p.name) for p in (stopped / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == int(m[1]) and 4 <= steps[-1] < 14, (steps, err)
+
+    out = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    a, _ = load_workdir(str(full))
+    b, _ = load_workdir(str(stopped))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_ctrl_c_in_process_raises_interrupted_after_checkpointing(tmp_path):
+    """Through the library: SIGINT mid-run raises `Interrupted` (a KeyboardInterrupt) once the
+    last finished step is checkpointed, and jax's handlers are back afterwards."""
+    import threading
+
+    before = signal.getsignal(signal.SIGINT)
+
+    def log(msg):
+        if msg.startswith("training"):  # the loop starts right after this line
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=6, checkpoint_every=1000,
+                      progress=False, devices=1)
+    with pytest.raises(Interrupted) as e:
+        train(cfg, log=log)
+    assert isinstance(e.value, KeyboardInterrupt) and e.value.signum == signal.SIGINT
+    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps[-1] == e.value.step < 6 * 22
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_train_digits_export_and_metrics(tmp_path):

@@ -18,6 +18,7 @@ from ._step import shard_batch as shard_batch
 from ._checkpoint import load_workdir as load_workdir
 from ._data import digits as digits
 from ._data import image_folder as image_folder
+from ._loop import Interrupted as Interrupted
 from ._loop import TrainConfig as TrainConfig
 from ._loop import train as train
 from .._errors import DivergedError as DivergedError

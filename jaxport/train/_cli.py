@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
-from ._loop import TrainConfig, train
+from ._loop import Interrupted, TrainConfig, train
 
 
 def _batch_size(text: str):
@@ -56,7 +57,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run `jaxport train`; JaxportError propagates to the CLI, which prints it on one line."""
-    result = train(config_from_args(args))
+    try:
+        result = train(config_from_args(args))
+    except Interrupted as e:  # SIGINT/SIGTERM: the last finished step was checkpointed
+        print(f"jaxport: interrupted: {e}", file=sys.stderr)
+        return 128 + e.signum
     if "val_acc" in result:
         print(f"val accuracy {result['val_acc']:.4f}, checkpoints in {args.workdir}")
     else:  # --max-steps ended the run mid-epoch: no evaluation happened
@@ -66,8 +71,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     """Stand-alone entry (`python -m jaxport.train ...`) until the lead's CLI wires it in."""
-    import sys
-
     from .._errors import JaxportError
 
     parser = argparse.ArgumentParser(prog="jaxport")

@@ -5,7 +5,9 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -13,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import ConfigError, DivergedError
+from .._errors import ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, save_variables
 from ..models import ARCHS, build
 from . import _checkpoint, _data, _distributed, _memory
@@ -84,6 +86,52 @@ def _validate(cfg: TrainConfig) -> None:
                           "(one sub-folder per class) or leave --data out to train on the embedded digits")
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM (e.g. a scheduler's preemption) stopped `train` after it had
+    checkpointed the last finished step; `--resume` continues exactly from there."""
+
+    def __init__(self, signum: int, step: int, workdir: str):
+        self.signum, self.step, self.workdir = signum, step, workdir
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in {workdir}; "
+                         "continue with --resume")
+
+
+class _StopRequests:
+    """Turns SIGINT/SIGTERM into a request to stop at the next step boundary, with a checkpoint.
+
+    Without it, Ctrl-C or a scheduler's SIGTERM loses every step since the last periodic
+    checkpoint (500 by default). The first signal only sets `signum` and puts the previous
+    handlers back, so a second one acts at once (orbax's atomic saves keep that safe too).
+    Single process only: there one process decides alone; several processes would have to agree
+    on the step first, so they keep the default behaviour and resume from the last checkpoint.
+    Handlers can only be set from the main thread; elsewhere this does nothing.
+    """
+
+    _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        self._restore()
+
+    def _restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def __enter__(self):
+        if self.enabled:
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self._SIGNALS}
+        return self
+
+    def __exit__(self, *exc):
+        self._restore()
+
+
 def _batches(order: np.ndarray, start: int, stop: int, batch: int, process: int, processes: int):
     share = batch // processes
     for s in range(start, stop):
@@ -142,6 +190,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         already holds a run without `resume`, bad data directories, ...).
       CheckpointError: a checkpoint to resume from or an `init` file cannot be read.
       OutOfMemoryError: the step does not fit in device memory (names a batch that fits).
+      Interrupted: SIGINT (Ctrl-C) or SIGTERM arrived (single process); the last finished step
+        was checkpointed first, so `resume` continues exactly. A KeyboardInterrupt subclass.
       DivergedError: the loss or the weights became non-finite (inf/NaN); raised before any
         such state is checkpointed, naming the step and the last good checkpoint.
     """
@@ -227,26 +277,26 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     bar = None
     # Dispatch is asynchronous: XLA's RESOURCE_EXHAUSTED surfaces where a result is waited for
     # (device_get, evaluation, checkpointing), so the whole loop is covered, not one call.
+    stops = _StopRequests(enabled=n_proc == 1)
     try:
-        while gstep < last_step:
-            epoch, offset = divmod(gstep, steps_per_epoch)
-            stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
-            order = _data.epoch_order(cfg.seed, epoch, data.train.num_examples)
-            sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
-            pending = []
-            bar = None
-            if lead and cfg.progress:
-                from tqdm import tqdm
+        with stops:
+            while gstep < last_step:
+                epoch, offset = divmod(gstep, steps_per_epoch)
+                stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
+                order = _data.epoch_order(cfg.seed, epoch, data.train.num_examples)
+                sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
+                pending = []
+                bar = None
+                if lead and cfg.progress:
+                    from tqdm import tqdm
 
-                bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                           unit="step", dynamic_ncols=True, file=sys.stderr)
-            t0, seen = time.perf_counter(), 0
-            loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
-            for s, (x, y) in enumerate(loader, start=offset):
-                state, m = step_fn(state, *shard_batch(mesh, x, y))
-                pending.append(m)
-                gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
-                if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop:
+                    bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                               unit="step", dynamic_ncols=True, file=sys.stderr)
+                t0, seen = time.perf_counter(), 0
+                loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
+
+                def flush():
+                    nonlocal sums, pending
                     got = jax.device_get(pending)
                     _check_finite([float(p["loss"]) for p in got], gstep, mngr, cfg)
                     sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
@@ -254,31 +304,57 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                     if bar is not None:
                         rate = seen / (time.perf_counter() - t0)
                         bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{sums[1] / sums[2]:.3f}", img_s=f"{rate:.0f}")
+
+                try:
+                    for s, (x, y) in enumerate(loader, start=offset):
+                        state, m = step_fn(state, *shard_batch(mesh, x, y))
+                        pending.append(m)
+                        gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
+                        # An epoch's last step is never a stop point: its evaluation and metrics row follow.
+                        stopping = stops.signum is not None and s + 1 != steps_per_epoch
+                        if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop or stopping:
+                            flush()
+                        if bar is not None:
+                            bar.update(1)
+                        if (gstep % cfg.checkpoint_every == 0 or stopping) and s + 1 != steps_per_epoch:
+                            meta["epoch_sums"] = sums.tolist()
+                            _save_finite(mngr, gstep, state, meta, cfg)
+                        if stopping:
+                            break
+                except Exception as e:  # noqa: BLE001 - only a loader failing after a stop request is absorbed
+                    if stops.signum is None or isinstance(e, JaxportError):
+                        raise
+                    # The same signal reached the DataLoader's workers, which then fail the next fetch:
+                    # the state of the last finished step stands, and is saved below.
+                    if pending:
+                        flush()
+                elapsed = time.perf_counter() - t0
                 if bar is not None:
-                    bar.update(1)
-                if gstep % cfg.checkpoint_every == 0 and s + 1 != steps_per_epoch:
+                    bar.close()
+                if stop < steps_per_epoch or (stops.signum is not None and gstep % steps_per_epoch):
+                    # max_steps reached, or a stop requested, mid-epoch
                     meta["epoch_sums"] = sums.tolist()
-                    _save_finite(mngr, gstep, state, meta, cfg)
-            elapsed = time.perf_counter() - t0
-            if bar is not None:
-                bar.close()
-            if stop < steps_per_epoch:  # max_steps reached mid-epoch
-                meta["epoch_sums"] = sums.tolist()
-                if mngr.latest_step() != gstep:
-                    _save_finite(mngr, gstep, state, meta, cfg)
-                break
-            row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
-                   "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
-                   "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
-            row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
-            meta["epoch_sums"] = [0.0, 0.0, 0.0]
-            _save_finite(mngr, gstep, state, meta, cfg)
-            if lead:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-                    f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
-            result = row
+                    if mngr.latest_step() != gstep:
+                        _save_finite(mngr, gstep, state, meta, cfg)
+                    if stops.signum is not None:
+                        mngr.close()
+                        raise Interrupted(stops.signum, gstep, cfg.workdir)
+                    break
+                row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
+                       "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
+                       "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
+                row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
+                meta["epoch_sums"] = [0.0, 0.0, 0.0]
+                _save_finite(mngr, gstep, state, meta, cfg)
+                if lead:
+                    with open(metrics_path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                    say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+                        f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+                result = row
+                if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step
+                    mngr.close()
+                    raise Interrupted(stops.signum, gstep, cfg.workdir)
     except DivergedError:
         if bar is not None:
             bar.close()
