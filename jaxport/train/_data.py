@@ -188,6 +188,20 @@ def _collate(items):
     return np.stack([x for x, _ in items]).astype(np.float32), np.array([y for _, y in items], np.int32)
 
 
+def _worker_ignores_stop_signals(_worker_id: int) -> None:
+    """DataLoader workers leave SIGINT/SIGTERM to the training process.
+
+    Ctrl-C reaches the whole process group, and schedulers signal every process of a job: the
+    trainer checkpoints the step in progress before stopping (`_loop._StopRequests`), and the
+    workers must still be serving it. They end when the loader shuts them down or the trainer
+    exits (torch's workers watch their parent).
+    """
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _torch_split(samples, transform, seed, workers) -> Split:
     import torch.utils.data as tud
 
@@ -200,6 +214,7 @@ def _torch_split(samples, transform, seed, workers) -> Split:
     def stream(batches: Iterator[Sequence[int]], epoch: int):
         loader = tud.DataLoader(dataset, batch_sampler=[[(epoch, int(i)) for i in b] for b in batches],
                                 num_workers=workers, collate_fn=_collate,
+                                worker_init_fn=_worker_ignores_stop_signals if workers else None,
                                 prefetch_factor=4 if workers else None,
                                 # jax runs threads: fork could deadlock, so workers are spawned.
                                 multiprocessing_context="spawn" if workers else None)

@@ -97,22 +97,38 @@ class Interrupted(KeyboardInterrupt):
 
 
 class _StopRequests:
-    """Turns SIGINT/SIGTERM into a request to stop at the next step boundary, with a checkpoint.
+    """Turns SIGINT/SIGTERM into a request to stop at a step boundary, with a checkpoint.
 
     Without it, Ctrl-C or a scheduler's SIGTERM loses every step since the last periodic
-    checkpoint (500 by default). The first signal only sets `signum` and puts the previous
-    handlers back, so a second one acts at once (orbax's atomic saves keep that safe too).
-    Single process only: there one process decides alone; several processes would have to agree
-    on the step first, so they keep the default behaviour and resume from the last checkpoint.
-    Handlers can only be set from the main thread; elsewhere this does nothing.
+    checkpoint (500 by default). `poll(step)` is called after every step by every process.
+    - One process: the first signal only sets `signum` and puts the previous handlers back,
+      so a second one acts at once (orbax's atomic saves keep that safe too). Handlers can only
+      be set from the main thread; elsewhere signals keep their default effect.
+    - Several processes must agree on the step to save. jax.distributed's preemption service
+      already takes SIGTERM on every process and runs that agreement;
+      `reached_preemption_sync_point` is true on all of them at the same step. SIGINT keeps its
+      default effect there.
     """
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+    def __init__(self, processes: int):
+        self.multi = processes > 1
+        self.enabled = not self.multi and threading.current_thread() is threading.main_thread()
         self.signum: int | None = None
         self._previous: dict = {}
+
+    def poll(self, step: int) -> bool:
+        """Whether to stop after `step` (stays true once it is)."""
+        if self.multi and self.signum is None:
+            from jax.experimental import multihost_utils
+
+            try:
+                if multihost_utils.reached_preemption_sync_point(step):
+                    self.signum = signal.SIGTERM
+            except RuntimeError:  # the preemption service is off (jax_enable_preemption_service)
+                self.multi = False
+        return self.signum is not None
 
     def _handle(self, signum, frame):
         self.signum = signum
@@ -277,7 +293,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     bar = None
     # Dispatch is asynchronous: XLA's RESOURCE_EXHAUSTED surfaces where a result is waited for
     # (device_get, evaluation, checkpointing), so the whole loop is covered, not one call.
-    stops = _StopRequests(enabled=n_proc == 1)
+    stops = _StopRequests(n_proc)
     try:
         with stops:
             while gstep < last_step:
@@ -311,7 +327,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                         pending.append(m)
                         gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
                         # An epoch's last step is never a stop point: its evaluation and metrics row follow.
-                        stopping = stops.signum is not None and s + 1 != steps_per_epoch
+                        stopping = stops.poll(gstep) and s + 1 != steps_per_epoch
                         if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop or stopping:
                             flush()
                         if bar is not None:
