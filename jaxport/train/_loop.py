@@ -347,8 +347,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                 elapsed = time.perf_counter() - t0
                 if bar is not None:
                     bar.close()
-                if stop < steps_per_epoch or (stops.signum is not None and gstep % steps_per_epoch):
-                    # max_steps reached, or a stop requested, mid-epoch
+                if stop < steps_per_epoch or (stops.signum is not None and (gstep % steps_per_epoch or not seen)):
+                    # max_steps reached, or a stop requested, mid-epoch (or before this epoch's first step)
                     meta["epoch_sums"] = sums.tolist()
                     if mngr.latest_step() != gstep:
                         _save_finite(mngr, gstep, state, meta, cfg)
