@@ -21,6 +21,7 @@ from PIL import Image
 from jaxport._errors import CheckpointError, ConfigError
 from jaxport.train import DivergedError, Interrupted, TrainConfig, load_workdir, train
 from jaxport.train import _data
+from jaxport._io import flatten as flatten_tree
 from torch_compat import flax_to_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -249,12 +250,53 @@ def test_image_folder_trains_and_skips_unreadable(tmp_path):
     assert 0 <= result["val_acc"] <= 1
 
 
+def test_init_reads_every_format_and_refuses_the_wrong_ones(tmp_path):
+    """`--init` takes what `jaxport port` takes (torch checkpoints, including .safetensors of
+    torch keys as the hubs publish them) plus jaxport's own files, with the same safety."""
+    import safetensors.torch
+
+    import jaxport
+    from jaxport.train._cli import config_from_args
+    from jaxport.train._init import load_init
+    from tests.helpers import reference
+    from torch_compat import torch_to_flax
+
+    model = reference("resnet18")
+    want = flatten_tree(torch_to_flax(model.state_dict(), "resnet18"))
+    torch.save(model.state_dict(), tmp_path / "sd.pth")
+    safetensors.torch.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, tmp_path / "hub.safetensors")
+    jaxport.save_variables(tmp_path / "ours.safetensors", torch_to_flax(model.state_dict()), arch="resnet18")
+    torch.save(model, tmp_path / "whole.pt")
+    for name in ("sd.pth", "hub.safetensors", "ours.safetensors"):
+        got = flatten_tree(load_init(str(tmp_path / name), "resnet18"))
+        assert got.keys() == want.keys(), name
+        assert all(np.array_equal(got[k], want[k]) for k in want), name
+    with pytest.raises(ConfigError, match=r"`--init` \(=.*ours.safetensors\) holds resnet18 weights but `--arch` is resnet34"):
+        load_init(str(tmp_path / "ours.safetensors"), "resnet34")  # the recorded arch is checked too
+    with pytest.raises(CheckpointError, match="whole.pt.*outside the weights-only allowed set.*--trusted"):
+        load_init(str(tmp_path / "whole.pt"), "resnet18")
+    got = flatten_tree(load_init(str(tmp_path / "whole.pt"), "resnet18", trusted=True))
+    assert all(np.array_equal(got[k], want[k]) for k in want)
+    from jaxport._cli import build_parser
+
+    args = build_parser().parse_args(["train", "--workdir", "w", "--init", "whole.pt", "--trusted"])
+    assert args.trusted and config_from_args(args).trusted  # the flag the refusal names exists
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(CheckpointError, match=r"`--init` \(=.*folder\) is a directory but not a `jaxport train` workdir"):
+        load_init(str(tmp_path / "folder"), "resnet18")
+
+
 def test_bad_data_directories(tmp_path):
     with pytest.raises(ConfigError, match=r"`--data` \(=.*missing\) is not a directory"):
         train(TrainConfig(workdir=str(tmp_path / "w"), data=str(tmp_path / "missing")))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no images"):
         _data.image_folder(str(tmp_path / "empty"))
+    split = tmp_path / "split"
+    _image_folder(split / "train", classes=("a", "b"))
+    _image_folder(split / "val", classes=("a", "c"))
+    with pytest.raises(ConfigError, match=r"only in train/: b; only in val/: c"):
+        _data.image_folder(str(split))
     one = _image_folder(tmp_path / "one", classes=("only",))
     with pytest.raises(ConfigError, match="single class .*'only'.*at least 2"):
         _data.image_folder(str(one))

@@ -248,8 +248,10 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         classes, train_samples, skipped = _scan(train_dir, "--data")
         val_classes, val_samples, vskipped = _scan(val_dir, "--data")
         if val_classes != classes:
-            raise ConfigError(f"`--data` (={root}): train/ and val/ have different class folders "
-                              f"({len(classes)} vs {len(val_classes)}); make them the same")
+            only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
+            raise ConfigError(f"`--data` (={root}): train/ and val/ have different class folders (only in train/: "
+                              f"{', '.join(only_train) or 'none'}; only in val/: {', '.join(only_val) or 'none'}); "
+                              "give both the same class sub-folders")
         skipped += vskipped
     else:
         classes, samples, skipped = _scan(root, "--data")

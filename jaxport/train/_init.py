@@ -18,9 +18,24 @@ def _flat(tree, prefix=()):
             yield prefix + (k,), v
 
 
-def load_init(path: str, arch: str) -> dict:
+def _is_jaxport_variables(path: str) -> bool:
+    """A jaxport variables file (`params/...` keys), not a safetensors file of torch keys."""
+    import safetensors
+
+    from .._io import FORMAT, read_metadata
+
+    if read_metadata(path).get("format") == FORMAT:  # also validates the file, naming it
+        return True
+    with safetensors.safe_open(path, framework="numpy") as f:
+        return any(k.startswith("params/") for k in f.keys())
+
+
+def load_init(path: str, arch: str, trusted: bool = False) -> dict:
     """Flax variables from a `jaxport train` workdir, a jaxport variables file (.safetensors)
-    or a torch checkpoint (torch_compat's safe loader), as numpy.
+    or a torch checkpoint (torch_compat's safe loader: `.pt`/`.pth`/`.bin`, or a `.safetensors`
+    file of torch keys such as the hubs publish), as numpy.
+
+    `trusted` allows a full unpickle of a torch checkpoint (`--trusted`), as `jaxport port`.
 
     Raises:
       CheckpointError: the file is missing or unreadable, or holds another architecture.
@@ -28,22 +43,23 @@ def load_init(path: str, arch: str) -> dict:
     if not os.path.exists(path):
         raise CheckpointError(f"`--init` (={path}) does not exist")
     if os.path.isdir(path):
-        from ._checkpoint import load_workdir
+        from ._checkpoint import checkpoint_dir, load_workdir
 
+        if not os.path.isdir(checkpoint_dir(path)):
+            raise CheckpointError(f"`--init` (={path}) is a directory but not a `jaxport train` workdir (no "
+                                  "checkpoints/ inside); pass a workdir, a torch checkpoint or a .safetensors file")
         variables, found = load_workdir(path)
-    elif path.endswith(".safetensors"):
-        import jaxport
+    elif path.endswith(".safetensors") and _is_jaxport_variables(path):
+        from .._io import load_variables, read_metadata
 
-        loader = getattr(jaxport, "load_variables", None)
-        if loader is None:
-            raise CheckpointError(f"`--init` (={path}): this jaxport has no load_variables yet")
-        variables = loader(path)
-        found = None
+        variables = load_variables(path)
+        found = read_metadata(path).get("arch")
     else:
         # The torch side: loading a torch checkpoint needs torch, via torch_compat only.
         import torch_compat
 
-        state_dict = torch_compat.load_state_dict(path)  # safe: weights-only, wrappers unwrapped
+        # safe unless trusted: weights-only, wrappers unwrapped; safetensors need no pickle at all
+        state_dict = torch_compat.load_state_dict(path, trusted=trusted)
         found = torch_compat.detect_arch(state_dict)
         if found != arch:
             raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")

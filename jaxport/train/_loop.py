@@ -46,6 +46,7 @@ class TrainConfig:
     seed: int = 0
     sync_bn: bool = False
     init: str | None = None
+    trusted: bool = False  # allow a full unpickle of the `init` checkpoint (runs code from it)
     resume: bool = False
     dtype: str = "float32"
     checkpoint_every: int = 500  # steps; also at each epoch end
@@ -228,7 +229,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     model = build(cfg.arch, num_classes=data.num_classes, bn_axis_name="data" if cfg.sync_bn else None, dtype=dtype)
     fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
     fresh = jax.tree.map(np.asarray, fresh)
-    variables = fit_head(load_init(cfg.init, cfg.arch), fresh, say) if cfg.init else fresh
+    variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say) if cfg.init else fresh
 
     per_device_batch = None
     if cfg.batch_size == "auto":
