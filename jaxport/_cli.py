@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import sys
 import time
@@ -145,7 +146,12 @@ def _cmd_verify(args) -> int:
     variables, arch = None, None if args.arch == "auto" else args.arch
     if args.variables:
         variables = load_variables(args.variables)
-        arch = arch or read_metadata(args.variables).get("arch")
+        recorded = read_metadata(args.variables).get("arch")
+        held = torch_compat.detect_arch(state_dict)
+        if recorded and recorded != held and not arch:
+            raise ConfigError(f"'{args.variables}' holds {recorded} variables but '{args.checkpoint}' is a {held} "
+                              "checkpoint: verify compares a checkpoint with its own port")
+        arch = arch or recorded
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
@@ -216,6 +222,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):  # NaN would make every comparison fail silently
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import ARCHS
 
@@ -248,8 +264,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=("eval", "train", "both"), default="both")
     p.add_argument("--batch-size", type=_positive_int, default=2)
     p.add_argument("--image-size", type=_positive_int, default=64)
-    p.add_argument("--rtol", type=float, default=1e-4, help="eval tolerance relative to each stage's scale")
-    p.add_argument("--train-rtol", type=float, default=1e-3, help="train-mode tolerance (see cross_check)")
+    p.add_argument("--rtol", type=_positive_float, default=1e-4, help="eval tolerance relative to each stage's scale")
+    p.add_argument("--train-rtol", type=_positive_float, default=1e-3, help="train-mode tolerance (see cross_check)")
     loading(p)
     p.set_defaults(func=_cmd_verify)
 

@@ -161,6 +161,24 @@ def test_export_writes_safetensors_by_name_and_never_over_its_input(tmp_path, ca
     torchvision.models.resnet18(num_classes=10).load_state_dict(from_st, strict=True)
 
 
+def test_verify_refuses_a_port_of_another_architecture_in_one_line(tmp_path, resnet18_checkpoint, capsys):
+    """A checkpoint and a variables file of different architectures: one error naming both,
+    not torchvision's load_state_dict traceback (an internal error before)."""
+    r34 = jaxport.save_variables(tmp_path / "r34.safetensors",
+                                 torch_compat.torch_to_flax(reference("resnet34").state_dict()), arch="resnet34")
+    assert main(["verify", str(resnet18_checkpoint), str(r34)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "holds resnet34 variables", "is a resnet18 checkpoint")
+    assert main(["verify", str(resnet18_checkpoint), str(r34), "--arch", "resnet18"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "the Flax variables do not fit resnet18")
+    with pytest.raises(jaxport.ConversionError, match="look like resnet18, not resnet34"):
+        torch_compat.cross_check(reference("resnet18").state_dict(), jaxport.load_variables(r34), arch="resnet34")
+    for bad in ("nan", "-1", "0"):
+        with pytest.raises(SystemExit) as e:
+            main(["verify", str(resnet18_checkpoint), "--rtol", bad])
+        assert e.value.code == 2
+        assert "expected a finite number > 0" in capsys.readouterr().err
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, (f"touch {_Payload.marker}",))

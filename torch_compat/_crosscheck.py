@@ -153,13 +153,22 @@ def cross_check(
 
     Returns:
       One `CrossCheckReport` per mode; `report.ok` tells whether it is within `rtol`.
+
+    Raises:
+      ConversionError: `state_dict` or `variables` does not fit `arch`, listing every misfit key.
+      ConfigError: `modes` is empty or names something other than "eval" and "train".
     """
     bad = [m for m in modes if m not in ("eval", "train")]
     if bad or not modes:
         raise ConfigError(f"`modes` (={list(modes)}) must be a non-empty subset of ('eval', 'train')")
     arch = arch or detect_arch(state_dict)
+    # Both sides are checked against `arch` first: one ConversionError naming every misfit key
+    # (and what the weights look like), not torchvision's load_state_dict traceback.
+    converted = torch_to_flax(state_dict, arch)
     if variables is None:
-        variables = torch_to_flax(state_dict, arch)
+        variables = converted
+    else:
+        flax_to_torch(variables, arch)
     num_classes = num_classes_of(state_dict)
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in state_dict.items()}
     variables = jax.tree.map(lambda a: np.asarray(a, np.float32) if np.issubdtype(np.asarray(a).dtype, np.floating)
