@@ -110,14 +110,21 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
     `np.array(x)` before writing to one.
 
     Raises:
-      CheckpointError: missing, empty, truncated or malformed file, naming it.
+      CheckpointError: missing, empty, truncated or malformed file, naming it; or a torch
+        checkpoint in safetensors form (torch keys, no `/` paths), pointing to `jaxport port`.
 
     Example:
       >>> variables = load_variables("resnet50.safetensors")  # doctest: +SKIP
       >>> logits = jaxport.models.resnet50().apply(variables, images)  # doctest: +SKIP
     """
     path = Path(path)
-    header, _ = _open(path)
+    header, metadata = _open(path)
+    keys = [k for k in header if k != "__metadata__"]
+    if metadata.get("format") != FORMAT and keys and not any("/" in k for k in keys):
+        raise CheckpointError(
+            f"variables file '{path}' holds torch-style keys ({', '.join(keys[:2])}, ...), not Flax variables; "
+            f"it is a torch checkpoint in safetensors form: port it with `jaxport port {path}` "
+            "(or torch_compat.load_state_dict + torch_to_flax)")
     start = 8 + int.from_bytes(path.open("rb").read(8), "little")
     mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
     flat = {}

@@ -5,6 +5,7 @@ import os
 import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
 
 import jaxport
 from jaxport import CheckpointError
@@ -68,3 +69,13 @@ def test_broken_files_give_one_clear_error(tmp_path, case):
     assert str(path) in msg and "\n" not in msg
     expected = {"missing": "does not exist", "empty": "is empty", "directory": "is a directory"}.get(case, "not a valid safetensors")
     assert expected in msg
+
+
+def test_a_torch_checkpoint_in_safetensors_form_is_named_as_such(tmp_path):
+    """The hubs publish torch weights as .safetensors; read as Flax variables they would give a
+    tree of `conv1.weight` leaves that fails far away. One error says what the file is."""
+    path = tmp_path / "hub.safetensors"
+    safetensors.numpy.save_file({"conv1.weight": np.zeros((2, 3), np.float32), "fc.bias": np.zeros(2, np.float32)},
+                                str(path), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"'.*hub.safetensors' holds torch-style keys .* `jaxport port "):
+        jaxport.load_variables(path)
