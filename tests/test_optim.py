@@ -120,3 +120,20 @@ def test_bad_arguments():
         optim.adamw(amsgrad=True)
     with pytest.raises(ConfigError, match="t_max"):
         optim.cosine_annealing_lr(0.1, 0)
+
+
+@pytest.mark.parametrize("make, torch_make, name", [
+    (lambda v: optim.adamw(v), lambda p, v: torch.optim.AdamW(p, lr=v), "learning_rate"),
+    (lambda v: optim.adamw(eps=v), lambda p, v: torch.optim.AdamW(p, eps=v), "eps"),
+    (lambda v: optim.adamw(weight_decay=v), lambda p, v: torch.optim.AdamW(p, weight_decay=v), "weight_decay"),
+    (lambda v: optim.sgd(v), lambda p, v: torch.optim.SGD(p, lr=v), "learning_rate"),
+    (lambda v: optim.sgd(0.1, weight_decay=v), lambda p, v: torch.optim.SGD(p, lr=0.1, weight_decay=v), "weight_decay"),
+])
+def test_refuses_what_torch_refuses_and_nan(make, torch_make, name):
+    """Negative values: torch's own check, run here so the two cannot drift apart. NaN/inf:
+    torch takes them and trains to NaN; these refuse them up front."""
+    with pytest.raises(ValueError, match="Invalid"):
+        torch_make([torch.zeros(1, requires_grad=True)], -1.0)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=f"`{name}` \\(={bad}\\) must be a finite number >= 0"):
+            make(bad)

@@ -54,6 +54,14 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.
     return optax.GradientTransformation(init, update)
 
 
+def _check_non_negative(**values) -> None:
+    """torch.optim refuses negative values; NaN and inf are refused too (torch takes them and
+    trains to NaN). Schedules (callables) are left to their own checks."""
+    for name, value in values.items():
+        if not callable(value) and not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"`{name}` (={value}) must be a finite number >= 0")
+
+
 def sgd(
     learning_rate: ScalarOrSchedule,
     momentum: float = 0.0,
@@ -80,9 +88,7 @@ def sgd(
     Example:
       >>> tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     """
-    for name, value in (("learning_rate", learning_rate), ("momentum", momentum), ("weight_decay", weight_decay)):
-        if not callable(value) and value < 0:
-            raise ConfigError(f"`{name}` (={value}) must be >= 0")
+    _check_non_negative(learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay)
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ConfigError(
             f"nesterov momentum needs `momentum` > 0 and `dampening` == 0 (got momentum={momentum}, "
@@ -115,8 +121,10 @@ def adamw(
     as torch does by default.
 
     Raises:
-      ConfigError: `amsgrad=True` (not reproduced) or out-of-range betas.
+      ConfigError: `amsgrad=True` (not reproduced), out-of-range betas, or what torch refuses
+        (a negative learning rate, eps or weight decay).
     """
+    _check_non_negative(learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     if amsgrad:
         raise ConfigError("`amsgrad` (=True) is not supported; use amsgrad=False")
     b1, b2 = betas
