@@ -140,7 +140,7 @@ def test_argparse_namespace_is_allowed_only_during_the_load(tmp_path):
 
 
 @pytest.mark.parametrize("fmt", ["zip", "legacy"])
-@pytest.mark.parametrize("ema_key", ["model_ema", "ema", "state_dict_ema", "model_ema_state_dict"])
+@pytest.mark.parametrize("ema_key", ["model_ema", "ema", "state_dict_ema", "model_ema_state_dict", "ema_state_dict"])
 def test_ema_is_taken_only_when_asked(tmp_path, fmt, ema_key):
     net = tiny_net()
     ema_model = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))

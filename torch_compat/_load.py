@@ -15,9 +15,10 @@ arbitrary code from the file: use it only for files whose source you trust.
 Training scripts wrap the weights; `load_state_dict` unwraps them deterministically:
 ``{"state_dict": ...}`` (PyTorch Lightning), ``{"model": ...}`` (torchvision reference scripts),
 ``{"model_state_dict": ...}``, and with ``ema=True`` one of ``model_ema`` / ``ema`` /
-``state_dict_ema`` / ``model_ema_state_dict``. Then the prefixes wrappers put on every key,
-``module.`` (DataParallel / DDP / AveragedModel), ``_orig_mod.`` (torch.compile) and ``model.``
-(LightningModule attribute), are removed, each only when *every* key carries it.
+``state_dict_ema`` / ``model_ema_state_dict`` / ``ema_state_dict``. Then the prefixes wrappers
+put on every key, ``module.`` (DataParallel / DDP / AveragedModel), ``_orig_mod.``
+(torch.compile) and ``model.`` (LightningModule attribute), are removed, each only when *every*
+key carries it.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from jaxport._errors import CheckpointError
 
 # Keys under which training scripts store the weights, in the order they are looked up.
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
-EMA_KEYS = ("model_ema", "ema", "state_dict_ema", "model_ema_state_dict")
+EMA_KEYS = ("model_ema", "ema", "state_dict_ema", "model_ema_state_dict", "ema_state_dict")
 # Prefixes wrappers add to every key; each is stripped only when all keys carry it.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
 # Globals allowed beyond torch's weights-only set, only for the duration of one load.
@@ -103,8 +104,8 @@ def load_state_dict(
       path: a `torch.save` file (zip or legacy format, any extension) or a ``.safetensors`` file.
       trusted: allow a full unpickle (``weights_only=False``), e.g. for a pickled ``nn.Module``,
         whose ``state_dict()`` is then taken. It can run arbitrary code from the file.
-      ema: take the EMA copy of the weights (``model_ema``, ``ema``, ``state_dict_ema`` or
-        ``model_ema_state_dict``); an error if the file has none. Without it an EMA copy is
+      ema: take the EMA copy of the weights (``model_ema``, ``ema``, ``state_dict_ema``,
+        ``model_ema_state_dict`` or ``ema_state_dict``); an error if the file has none. Without it an EMA copy is
         never chosen.
       mmap: memory-map zip-format files instead of reading them (about 2x faster load+convert,
         see the benchmark). The tensors then share pages with the file: do not overwrite or
