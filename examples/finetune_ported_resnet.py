@@ -21,6 +21,7 @@ import torchvision
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from jaxport import JaxportError  # noqa: E402
 from jaxport.models import build  # noqa: E402
 from jaxport.train import TrainConfig, digits, load_workdir, train  # noqa: E402
 from torch_compat import flax_to_torch  # noqa: E402
@@ -39,6 +40,8 @@ def main():
 
     # 1. A torch model with an ImageNet-style head of 1000 classes, saved as a torch user would.
     ckpt = args.checkpoint
+    if ckpt is not None and not os.path.isfile(ckpt):
+        p.error(f"--checkpoint (={ckpt}) is not a file; pass a torchvision resnet18 state_dict, or leave it out")
     if ckpt is None:
         torch.manual_seed(0)
         ckpt = os.path.join(work, "torch_resnet18.pt")
@@ -76,4 +79,7 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except JaxportError as e:  # bad input: one line, as the CLI prints it
+        sys.exit(f"finetune_ported_resnet.py: error: {e}")

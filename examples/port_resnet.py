@@ -69,4 +69,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except jaxport.JaxportError as e:  # bad input: one line, as the CLI prints it
+        sys.exit(f"port_resnet.py: error: {e}")
