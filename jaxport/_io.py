@@ -120,7 +120,7 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     header, metadata = _open(path)
     keys = [k for k in header if k != "__metadata__"]
-    if metadata.get("format") != FORMAT and keys and not any("/" in k for k in keys):
+    if not _holds_variables(keys, metadata):
         raise CheckpointError(
             f"variables file '{path}' holds torch-style keys ({', '.join(keys[:2])}, ...), not Flax variables; "
             f"it is a torch checkpoint in safetensors form: port it with `jaxport port {path}` "
@@ -137,6 +137,21 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
         lo, hi = info["data_offsets"]
         flat[key] = mm[start + lo:start + hi].view(dtype).reshape(info["shape"])
     return unflatten(flat)
+
+
+def holds_variables(path: str | os.PathLike) -> bool:
+    """Whether a safetensors file holds Flax variables (jaxport's format, or `/` paths), rather
+    than a torch state_dict in safetensors form (`conv1.weight` keys, as the model hubs publish).
+
+    Raises:
+      CheckpointError: missing, empty, truncated or malformed file, naming it.
+    """
+    header, metadata = _open(Path(path))
+    return _holds_variables([k for k in header if k != "__metadata__"], metadata)
+
+
+def _holds_variables(keys: list[str], metadata: Mapping[str, str]) -> bool:
+    return metadata.get("format") == FORMAT or not keys or any("/" in k for k in keys)
 
 
 def _open(path: Path) -> tuple[dict, dict[str, str]]:

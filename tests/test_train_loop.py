@@ -253,11 +253,12 @@ def test_image_folder_trains_and_skips_unreadable(tmp_path):
 def test_init_reads_every_format_and_refuses_the_wrong_ones(tmp_path):
     """`--init` takes what `jaxport port` takes (torch checkpoints, including .safetensors of
     torch keys as the hubs publish them) plus jaxport's own files, with the same safety."""
+    import safetensors.numpy
     import safetensors.torch
 
     import jaxport
     from jaxport.train._cli import config_from_args
-    from jaxport.train._init import load_init
+    from jaxport.train._init import fit_head, load_init
     from tests.helpers import reference
     from torch_compat import torch_to_flax
 
@@ -281,6 +282,9 @@ def test_init_reads_every_format_and_refuses_the_wrong_ones(tmp_path):
 
     args = build_parser().parse_args(["train", "--workdir", "w", "--init", "whole.pt", "--trusted"])
     assert args.trusted and config_from_args(args).trusted  # the flag the refusal names exists
+    safetensors.numpy.save_file({}, str(tmp_path / "empty.safetensors"))
+    with pytest.raises(CheckpointError, match="--init weights hold no ResNet parameters"):
+        fit_head(load_init(str(tmp_path / "empty.safetensors"), "resnet18"), {})  # was a KeyError
     (tmp_path / "folder").mkdir()
     with pytest.raises(CheckpointError, match=r"`--init` \(=.*folder\) is a directory but not a `jaxport train` workdir"):
         load_init(str(tmp_path / "folder"), "resnet18")

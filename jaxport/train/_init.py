@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from .._errors import CheckpointError, ConfigError
+from .._io import holds_variables, load_variables, read_metadata
 
 
 def _flat(tree, prefix=()):
@@ -16,18 +17,6 @@ def _flat(tree, prefix=()):
             yield from _flat(v, prefix + (k,))
         else:
             yield prefix + (k,), v
-
-
-def _is_jaxport_variables(path: str) -> bool:
-    """A jaxport variables file (`params/...` keys), not a safetensors file of torch keys."""
-    import safetensors
-
-    from .._io import FORMAT, read_metadata
-
-    if read_metadata(path).get("format") == FORMAT:  # also validates the file, naming it
-        return True
-    with safetensors.safe_open(path, framework="numpy") as f:
-        return any(k.startswith("params/") for k in f.keys())
 
 
 def load_init(path: str, arch: str, trusted: bool = False) -> dict:
@@ -49,8 +38,7 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
             raise CheckpointError(f"`--init` (={path}) is a directory but not a `jaxport train` workdir (no "
                                   "checkpoints/ inside); pass a workdir, a torch checkpoint or a .safetensors file")
         variables, found = load_workdir(path)
-    elif path.endswith(".safetensors") and _is_jaxport_variables(path):
-        from .._io import load_variables, read_metadata
+    elif path.endswith(".safetensors") and holds_variables(path):
 
         variables = load_variables(path)
         found = read_metadata(path).get("arch")
@@ -76,6 +64,9 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print) -
     Raises:
       CheckpointError: any other tensor has another shape (a different architecture).
     """
+    if "params" not in variables or "fc" not in variables["params"]:
+        raise CheckpointError(f"--init weights hold no ResNet parameters (top-level keys: {sorted(variables)}); "
+                              "pass a torchvision ResNet checkpoint, jaxport variables or a workdir")
     out = {"params": dict(variables["params"]), "batch_stats": variables.get("batch_stats", {})}
     old, new = np.shape(out["params"]["fc"]["kernel"]), np.shape(fresh["params"]["fc"]["kernel"])
     if old != new:
