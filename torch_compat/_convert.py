@@ -197,6 +197,37 @@ def _permuted(shape: tuple[int, ...], perm: tuple[int, ...] | None) -> tuple[int
     return shape if perm is None else tuple(shape[p] for p in perm)
 
 
+def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
+    """The conversion table for `state_dict` as `arch`, after checking every key and shape
+    (shapes only: nothing is copied).
+
+    Raises:
+      ConversionError: listing every missing, unexpected and wrong-shape key, and the
+        architecture the weights look like when it is not `arch`.
+    """
+    _spec(arch)
+    fc = state_dict.get("fc.weight")
+    num_classes = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else 1000
+    entries = table(arch, num_classes)
+    _check(arch, entries, {k: tuple(v.shape) for k, v in state_dict.items()}, "torch_key",
+           _looks_like(state_dict), "the state_dict's weights")
+    return entries
+
+
+def check_variables(variables: Mapping[str, Any], arch: str) -> list[Entry]:
+    """As `check_state_dict`, for Flax variables (`{"params": ..., "batch_stats": ...}`)."""
+    return _check_flat_variables(flatten(variables), arch)
+
+
+def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
+    _spec(arch)
+    fc = flat.get("params/fc/kernel")
+    num_classes = int(np.shape(fc)[1]) if fc is not None and np.ndim(fc) == 2 else 1000
+    entries = table(arch, num_classes)
+    _check(arch, entries, {k: tuple(np.shape(v)) for k, v in flat.items()}, "flax_key", None, "the Flax variables")
+    return entries
+
+
 # --- tensors <-> arrays, keeping dtypes -------------------------------------------------------
 
 
@@ -298,12 +329,7 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
       (7, 7, 3, 64)
     """
     arch = detect_arch(state_dict) if arch is None else arch
-    _spec(arch)
-    fc = state_dict.get("fc.weight")
-    num_classes = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else 1000
-    entries = table(arch, num_classes)
-    _check(arch, entries, {k: tuple(v.shape) for k, v in state_dict.items()}, "torch_key",
-           _looks_like(state_dict), "the state_dict's weights")
+    entries = check_state_dict(state_dict, arch)
     # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
     # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.
     def convert(e: Entry):
@@ -337,12 +363,8 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, 
     Raises:
       ConversionError: listing every missing, unexpected and wrong-shape variable.
     """
-    _spec(arch)
     flat = flatten(variables)
-    fc = flat.get("params/fc/kernel")
-    num_classes = int(np.shape(fc)[1]) if fc is not None and np.ndim(fc) == 2 else 1000
-    entries = table(arch, num_classes)
-    _check(arch, entries, {k: tuple(np.shape(v)) for k, v in flat.items()}, "flax_key", None, "the Flax variables")
+    entries = _check_flat_variables(flat, arch)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for e in entries:
         a = flat.get(e.flax_key)

@@ -13,7 +13,7 @@ import torchvision
 from jaxport import models
 from jaxport._errors import ConfigError
 
-from ._convert import detect_arch, flax_to_torch, num_classes_of, torch_to_flax
+from ._convert import check_state_dict, check_variables, detect_arch, flax_to_torch, num_classes_of, torch_to_flax
 
 STAGES = ("stem", "layer1", "layer2", "layer3", "layer4", "pooled", "logits")
 # torchvision module whose forward output is each stage (forward hooks read them there).
@@ -162,13 +162,13 @@ def cross_check(
     if bad or not modes:
         raise ConfigError(f"`modes` (={list(modes)}) must be a non-empty subset of ('eval', 'train')")
     arch = arch or detect_arch(state_dict)
-    # Both sides are checked against `arch` first: one ConversionError naming every misfit key
-    # (and what the weights look like), not torchvision's load_state_dict traceback.
-    converted = torch_to_flax(state_dict, arch)
+    # Both sides are checked against `arch` first (shapes only): one ConversionError naming every
+    # misfit key (and what the weights look like), not torchvision's load_state_dict traceback.
+    check_state_dict(state_dict, arch)
     if variables is None:
-        variables = converted
+        variables = torch_to_flax(state_dict, arch)
     else:
-        flax_to_torch(variables, arch)
+        check_variables(variables, arch)
     num_classes = num_classes_of(state_dict)
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in state_dict.items()}
     variables = jax.tree.map(lambda a: np.asarray(a, np.float32) if np.issubdtype(np.asarray(a).dtype, np.floating)
