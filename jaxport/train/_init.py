@@ -39,7 +39,6 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
                                   "checkpoints/ inside); pass a workdir, a torch checkpoint or a .safetensors file")
         variables, found = load_workdir(path)
     elif path.endswith(".safetensors") and holds_variables(path):
-
         variables = load_variables(path)
         found = read_metadata(path).get("arch")
     else:
@@ -48,12 +47,11 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
 
         # safe unless trusted: weights-only, wrappers unwrapped; safetensors need no pickle at all
         state_dict = torch_compat.load_state_dict(path, trusted=trusted)
-        found = torch_compat.detect_arch(state_dict)
-        if found != arch:
-            raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")
-        variables = torch_compat.torch_to_flax(state_dict, arch)
+        found, variables = torch_compat.detect_arch(state_dict), None  # converted once the arch is right
     if found is not None and found != arch:
         raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")
+    if variables is None:
+        variables = torch_compat.torch_to_flax(state_dict, arch)
     return jax.tree.map(np.asarray, variables)
 
 

@@ -354,7 +354,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                     if mngr.latest_step() != gstep:
                         _save_finite(mngr, gstep, state, meta, cfg)
                     if stops.signum is not None:
-                        mngr.close()
                         raise Interrupted(stops.signum, gstep, cfg.workdir)
                     break
                 row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
@@ -370,9 +369,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
                 result = row
                 if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step
-                    mngr.close()
                     raise Interrupted(stops.signum, gstep, cfg.workdir)
-    except DivergedError:
+    except (DivergedError, Interrupted):  # the checkpoints on disk are good: close them and stop
         if bar is not None:
             bar.close()
         mngr.close()
