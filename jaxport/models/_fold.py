@@ -96,7 +96,8 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
     `bias - mean * s`; this is `torch.nn.utils.fusion.fuse_conv_bn_eval(conv, bn)` for a conv
     without bias, with OIHW -> HWIO. It is computed in float64 and rounded once to the dtype of
     the kernel (resp. the BatchNorm bias), so a float32 folded model differs from the unfolded
-    one only by float32 rounding in the forward pass. `fc` is copied.
+    one only by float32 rounding in the forward pass. `fc` is copied (a backbone, `num_classes=0`,
+    has none).
 
     Args:
       variables: `{"params": ..., "batch_stats": ...}` of a `ResNet` of `arch` (numpy or jax
@@ -129,7 +130,8 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
     params, stats = variables["params"], variables["batch_stats"]
     out: dict[str, Any] = {}
     missing: list[str] = []
-    used = {("fc", "kernel"), ("fc", "bias")}
+    has_fc = isinstance(params, Mapping) and "fc" in params
+    used = {("fc", "kernel"), ("fc", "bias")} if has_fc else set()
     for conv, bn in _pairs(arch):
         kernel = _get(params, (*conv, "kernel"), missing, "params")
         scale = _get(params, (*bn, "scale"), missing, "params")
@@ -146,7 +148,7 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
             node = node.setdefault(name, {})
         node["kernel"] = (kernel.astype(np.float64) * s).astype(kernel.dtype)
         node["bias"] = (bias.astype(np.float64) - np.asarray(mean, np.float64) * s).astype(bias.dtype)
-    fc = {k: _get(params, ("fc", k), missing, "params") for k in ("kernel", "bias")}
+    fc = {k: _get(params, ("fc", k), missing, "params") for k in ("kernel", "bias")} if has_fc else {}
     unexpected = ["params/" + "/".join(p) for p in _leaves(params) if p not in used]
     if missing or unexpected:
         parts = [f"the variables do not fit {arch}"]
@@ -154,5 +156,6 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
             if items:
                 parts.append(f"{len(items)} {label}: " + "; ".join(items[:8]) + (" ..." if len(items) > 8 else ""))
         raise ConfigError(". ".join(parts))
-    out["fc"] = {k: np.asarray(v) for k, v in fc.items()}
+    if fc:
+        out["fc"] = {k: np.asarray(v) for k, v in fc.items()}
     return {"params": out}

@@ -213,7 +213,10 @@ class ResNet(nn.Module):
     Attributes:
       block: "basic" or "bottleneck".
       layers: blocks per stage.
-      num_classes: classifier outputs.
+      num_classes: classifier outputs; 0 builds the backbone alone, with no `fc` (torchvision's
+        `model.fc = nn.Identity()`, timm's `num_classes=0`): the model then returns the pooled
+        features, `(N, 512 * expansion)`. Self-supervised checkpoints (DINO, Barlow Twins, ...)
+        are saved this way.
       zero_init_residual: zero the last BatchNorm scale of each block (torchvision's option).
       groups, width_per_group: ResNeXt / wide ResNet options, as torchvision's.
       replace_stride_with_dilation: three bools for layer2..4, as torchvision's.
@@ -246,6 +249,9 @@ class ResNet(nn.Module):
     def __call__(self, x, train: bool = False):
         if x.ndim != 4:
             raise ConfigError(f"ResNet input must be NHWC with 4 dims, got shape {tuple(x.shape)}")
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise ConfigError(f"`num_classes` (={self.num_classes!r}) must be an int >= 0 "
+                              "(0: no classifier, the model returns the pooled features)")
         block_cls = {"basic": BasicBlock, "bottleneck": Bottleneck}.get(self.block)
         if block_cls is None:
             raise ConfigError(f"`block` (={self.block!r}) must be 'basic' or 'bottleneck'")
@@ -279,6 +285,8 @@ class ResNet(nn.Module):
 
         x = jnp.mean(x, axis=(1, 2))
         self.sow("intermediates", "pooled", x)
+        if self.num_classes == 0:  # a backbone: the features are the output
+            return x
         return nn.Dense(
             self.num_classes,
             kernel_init=_linear_init,
