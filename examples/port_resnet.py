@@ -36,6 +36,9 @@ def main() -> int:
     jaxport.save_variables(args.out, variables, arch=arch)
     variables = jaxport.load_variables(args.out)  # what a JAX-only program would do
     num_classes = torch_compat.num_classes_of(state_dict)
+    if not num_classes:
+        sys.exit(f"port_resnet.py: '{path}' is a {arch} backbone without a classifier (ported to {args.out}); "
+                 "this example compares class predictions: check a backbone with `jaxport verify`")
     print(f"{path}: {arch}, {num_classes} classes -> {args.out}")
 
     # 2. One real photo, torchvision's ImageNet evaluation preprocessing.

@@ -37,12 +37,39 @@ def _human(n_bytes: float) -> str:
     return f"{n_bytes / 1e6:.1f} MB"
 
 
-def _load_checkpoint(path: str, trusted: bool, ema: bool):
-    from torch_compat import load_state_dict
+def _load_checkpoint(path: str, args):
+    from torch_compat import backbone_state_dict, load_state_dict
+    from torch_compat._load import describe_keys
 
     # mmap: the conversion copies every tensor at once, so nothing is read twice and the peak
     # stays near one copy of the weights (see torch_compat.load_state_dict on when not to).
-    return load_state_dict(path, trusted=trusted, ema=ema, mmap=True)
+    state_dict = load_state_dict(path, trusted=args.trusted, ema=args.ema, mmap=True, prefix=args.prefix)
+    if args.backbone_only:
+        kept = backbone_state_dict(state_dict)
+        if not set(kept) & set(state_dict):  # renamed, not selected
+            print(f"backbone only: {len(kept)} tensors of an nn.Sequential of the ResNet's children, "
+                  "renamed to torchvision's names")
+        else:
+            dropped = [k for k in state_dict if k not in kept]
+            print(f"backbone only: kept {len(kept)} tensors, dropped {len(dropped)}"
+                  + (f" ({describe_keys(dropped)})" if dropped else ""))
+        state_dict = kept
+    return state_dict
+
+
+def _loading_flags(args) -> str:
+    """The loading options of this command line, to repeat in the next one."""
+    flags = [f"--prefix {args.prefix}"] if args.prefix else []
+    flags += [f"--{name.replace('_', '-')}" for name in ("backbone_only", "ema", "trusted") if getattr(args, name)]
+    return "".join(" " + f for f in flags)
+
+
+def _classes(arch: str, num_classes: int) -> str:
+    from .models import ARCHS
+
+    if num_classes:
+        return f"{num_classes} classes"
+    return f"no classifier (a backbone: outputs {512 * ARCHS[arch].expansion} pooled features)"
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -114,7 +141,7 @@ def _cmd_port(args) -> int:
         _check_output(out, ckpt, "checkpoint")
         t0 = time.perf_counter()
         step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
-        state_dict = _load_checkpoint(str(ckpt), args.trusted, args.ema)
+        state_dict = _load_checkpoint(str(ckpt), args)
         step("converting")
         arch = None if args.arch == "auto" else args.arch
         detected = torch_compat.detect_arch(state_dict) if arch is None else arch
@@ -123,7 +150,7 @@ def _cmd_port(args) -> int:
         dtypes = sorted({str(v.dtype) for v in state_dict.values() if v.is_floating_point()})
         n_params = sum(int(v.numel()) for k, v in state_dict.items() if k.endswith(("weight", "bias")))
         print(f"architecture: {detected} ({'detected' if arch is None else 'given'}), "
-              f"{torch_compat.num_classes_of(state_dict)} classes, {len(state_dict)} tensors, "
+              f"{_classes(detected, torch_compat.num_classes_of(state_dict))}, {len(state_dict)} tensors, "
               f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
         step("saving")
         save_variables(out, variables, arch=detected, metadata={"source": ckpt.name})
@@ -133,7 +160,7 @@ def _cmd_port(args) -> int:
             step("cross-checking against torchvision")
             ok = _print_reports(torch_compat.cross_check(state_dict, variables, arch=detected))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
-          if args.verify else f"next: jaxport verify {ckpt} {out}")
+          if args.verify else f"next: jaxport verify {ckpt} {out}{_loading_flags(args)}")
     return 0 if ok else EXIT_MISMATCH
 
 
@@ -142,7 +169,7 @@ def _cmd_verify(args) -> int:
 
     from ._io import load_variables, read_metadata
 
-    state_dict = _load_checkpoint(args.checkpoint, args.trusted, args.ema)
+    state_dict = _load_checkpoint(args.checkpoint, args)
     variables, arch = None, None if args.arch == "auto" else args.arch
     if args.variables:
         variables = load_variables(args.variables)
@@ -192,9 +219,14 @@ def _cmd_export(args) -> int:
         else:
             torch.save(state_dict, tmp)
             load = "torch.load(path)"
-    print(f"wrote: {out} ({_human(out.stat().st_size)}), a torchvision {arch} state_dict "
-          f"(torchvision.models.{arch}(num_classes={torch_compat.num_classes_of(state_dict)})"
-          f".load_state_dict({load}, strict=True))")
+    num_classes = torch_compat.num_classes_of(state_dict)
+    if num_classes:
+        print(f"wrote: {out} ({_human(out.stat().st_size)}), a torchvision {arch} state_dict "
+              f"(torchvision.models.{arch}(num_classes={num_classes}).load_state_dict({load}, strict=True))")
+    else:
+        print(f"wrote: {out} ({_human(out.stat().st_size)}), a torchvision {arch} backbone state_dict, no fc "
+              f"(model = torchvision.models.{arch}(); model.fc = torch.nn.Identity(); "
+              f"model.load_state_dict({load}, strict=True))")
     return 0
 
 
@@ -247,6 +279,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ema", action="store_true", help="take the EMA copy of the weights stored beside the model")
         p.add_argument("--arch", default="auto", choices=archs, metavar="ARCH",
                        help=f"architecture (default: detected from the weights); one of {', '.join(archs)}")
+        p.add_argument("--prefix", metavar="PREFIX",
+                       help="keep only the keys under PREFIX, removed: a ResNet inside a bigger model, "
+                            "e.g. encoder_q. (MoCo) or backbone.")
+        p.add_argument("--backbone-only", action="store_true",
+                       help="keep conv1, bn1 and layer1..layer4 only, dropping the classifier and any "
+                            "other head: a model without fc that outputs the pooled features")
 
     p = sub.add_parser("port", help="convert a torch checkpoint to Flax variables (safetensors)",
                        description="Convert a torch checkpoint to Flax variables. With no CHECKPOINT, ports an "

@@ -20,6 +20,8 @@ from jaxport._errors import ConversionError
 from jaxport._io import flatten
 from jaxport.models import ARCHS, ResNetSpec
 
+from ._load import describe_keys
+
 # torch tensor name -> (Flax collection, Flax leaf name, axis permutation torch -> Flax or None)
 _OIHW_TO_HWIO = (2, 3, 1, 0)
 RULES: dict[str, dict[str, tuple[str, str, tuple[int, ...] | None]]] = {
@@ -78,11 +80,23 @@ def _modules(spec: ResNetSpec, num_classes: int) -> Iterator[tuple[str, str, tup
                 yield f"{p}.downsample.0", "conv", (planes * exp, inplanes, 1, 1)
                 yield f"{p}.downsample.1", "bn", (planes * exp,)
         inplanes = planes * exp
-    yield "fc", "linear", (num_classes, 512 * exp)
+    if num_classes:  # 0: a backbone, saved with `model.fc = nn.Identity()`
+        yield "fc", "linear", (num_classes, 512 * exp)
+
+
+# The modules of a ResNet before its classifier: what a backbone (feature extractor) holds.
+BACKBONE_MODULES = ("conv1", "bn1", "layer1", "layer2", "layer3", "layer4")
+# `nn.Sequential(*list(resnet.children())[:-1])`, the classic feature extractor, numbers
+# torchvision's children in their fixed order: conv1, bn1, relu, maxpool, layer1..layer4, avgpool.
+_SEQUENTIAL_CHILDREN = {"0": "conv1", "1": "bn1", "4": "layer1", "5": "layer2", "6": "layer3", "7": "layer4"}
 
 
 def table(arch: str, num_classes: int = 1000) -> list[Entry]:
-    """Every tensor of torchvision's `arch` state_dict, in its order, with its Flax location."""
+    """Every tensor of torchvision's `arch` state_dict, in its order, with its Flax location.
+
+    `num_classes=0` is the backbone alone (no `fc`), as saved by a model whose classifier was
+    replaced with `nn.Identity()`.
+    """
     spec = _spec(arch)
     entries = []
     for module, kind, shape in _modules(spec, num_classes):
@@ -118,12 +132,21 @@ def detect_arch(state_dict: Mapping[str, Any]) -> str:
         named architectures (the message gives what was found).
     """
     keys = set(state_dict)
-    if "conv1.weight" not in keys or "fc.weight" not in keys or "layer1.0.conv1.weight" not in keys:
-        sample = ", ".join(sorted(keys)[:6]) or "(none)"
+    if "conv1.weight" not in keys or "layer1.0.conv1.weight" not in keys:
+        nested = [p for p in _prefixes(keys) if f"{p}conv1.weight" in keys and f"{p}layer1.0.conv1.weight" in keys]
+        if _is_sequential_children(keys):
+            hint = ("; these are torchvision ResNet's children in an nn.Sequential (0 = conv1, 1 = bn1, 4..7 = "
+                    "layer1..layer4): rename them with torch_compat.backbone_state_dict (CLI --backbone-only)")
+        elif len(nested) == 1:
+            hint = f"; its ResNet is under '{nested[0]}': select it with prefix={nested[0]!r} (CLI --prefix {nested[0]})"
+        elif nested:  # e.g. MoCo's query and key encoders
+            hint = (f"; it holds ResNets under {', '.join(repr(p) for p in nested)}: select one with prefix "
+                    f"(CLI e.g. --prefix {nested[-1]})")
+        else:
+            hint = ""
         raise ConversionError(
             "the state_dict does not look like a torchvision ResNet: expected keys such as "
-            f"'conv1.weight', 'layer1.0.conv1.weight' and 'fc.weight', found {sample}"
-            + (" ..." if len(keys) > 6 else "")
+            f"'conv1.weight' and 'layer1.0.conv1.weight', found {describe_keys(keys)}{hint}"
         )
     found = _found_spec(state_dict)
     for name, spec in ARCHS.items():
@@ -149,6 +172,19 @@ def _found_spec(state_dict: Mapping[str, Any]) -> ResNetSpec:
         groups = max(width // int(w.shape[1]), 1)
         width_per_group = width // groups
     return ResNetSpec(block, tuple(layers), groups, width_per_group)
+
+
+def _prefixes(keys) -> list[str]:
+    """Every dotted prefix of the keys (`a.`, `a.b.`, ...), shortest first."""
+    found = {k[: i + 1] for k in keys for i, c in enumerate(k) if c == "."}
+    return sorted(found, key=lambda p: (p.count("."), p))
+
+
+def _is_sequential_children(keys) -> bool:
+    """Keys of `nn.Sequential(*list(resnet.children())[:-1])`: numbered children, conv1 first."""
+    keys = list(keys)
+    return ("0.weight" in keys and "4.0.conv1.weight" in keys
+            and all(k.split(".", 1)[0] in _SEQUENTIAL_CHILDREN and "." in k for k in keys))
 
 
 def _looks_like(state_dict: Mapping[str, Any]) -> str | None:
@@ -190,7 +226,24 @@ def _check(
         if items:
             shown = "; ".join(items[:8]) + (f"; ... ({len(items) - 8} more)" if len(items) > 8 else "")
             parts.append(f"{len(items)} {label}: {shown}")
+    misfits = missing + unexpected + [w.split(":", 1)[0] for w in wrong]
+    if key_of == "torch_key" and not any(k.split(".", 1)[0] in BACKBONE_MODULES for k in misfits):
+        # The backbone fits; what does not is outside it: a head that is not torchvision's one
+        # Linear `fc` (e.g. `fc = Sequential(Dropout, Linear)`), a projection head: name the way out.
+        parts.append("The backbone (conv1, bn1, layer1..layer4) fits; what does not is outside it. To port the "
+                     "backbone alone (a model with num_classes=0 that returns the pooled features), drop the "
+                     "rest with torch_compat.backbone_state_dict (CLI --backbone-only)")
     raise ConversionError(". ".join(parts))
+
+
+def _num_classes(shapes: Mapping[str, tuple[int, ...]], fc_key: str, axis: int) -> int:
+    """The classifier size: the classes axis of the `fc` weight; 0 when nothing is under `fc`
+    (a backbone); 1000 when `fc` is there but malformed, so the strict merge names what is wrong."""
+    fc = shapes.get(fc_key)
+    if fc is not None and len(fc) == 2:
+        return int(fc[axis])
+    module = fc_key.rsplit(".", 1)[0] + "." if "." in fc_key else fc_key.rsplit("/", 1)[0] + "/"
+    return 1000 if any(k.startswith(module) for k in shapes) else 0
 
 
 def _permuted(shape: tuple[int, ...], perm: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -206,9 +259,7 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
         architecture the weights look like when it is not `arch`.
     """
     _spec(arch)
-    fc = state_dict.get("fc.weight")
-    num_classes = int(fc.shape[0]) if fc is not None and len(fc.shape) == 2 else 1000
-    entries = table(arch, num_classes)
+    entries = table(arch, _num_classes({k: tuple(v.shape) for k, v in state_dict.items()}, "fc.weight", 0))
     _check(arch, entries, {k: tuple(v.shape) for k, v in state_dict.items()}, "torch_key",
            _looks_like(state_dict), "the state_dict's weights")
     return entries
@@ -221,9 +272,7 @@ def check_variables(variables: Mapping[str, Any], arch: str) -> list[Entry]:
 
 def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
     _spec(arch)
-    fc = flat.get("params/fc/kernel")
-    num_classes = int(np.shape(fc)[1]) if fc is not None and np.ndim(fc) == 2 else 1000
-    entries = table(arch, num_classes)
+    entries = table(arch, _num_classes({k: np.shape(v) for k, v in flat.items()}, "params/fc/kernel", 1))
     _check(arch, entries, {k: tuple(np.shape(v)) for k, v in flat.items()}, "flax_key", None, "the Flax variables")
     return entries
 
@@ -313,7 +362,8 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
     Args:
       state_dict: torch key -> tensor, without wrapper prefixes (see `load_state_dict`).
       arch: a torchvision ResNet name; None detects it with `detect_arch`. `num_classes` is
-        always taken from `fc.weight`, so fine-tuned heads port.
+        always taken from `fc.weight`, so fine-tuned heads port; a state_dict with nothing under
+        `fc.` is a backbone (`num_classes=0`, see `backbone_state_dict`).
 
     Returns:
       Nested dicts of numpy arrays whose paths mirror torch's (`params/layer1/0/conv1/kernel`).
@@ -380,7 +430,48 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, 
 
 
 def num_classes_of(state_dict: Mapping[str, Any]) -> int:
-    """The classifier size of a ResNet state_dict (rows of `fc.weight`)."""
-    if "fc.weight" not in state_dict:
-        raise ConversionError("the state_dict has no 'fc.weight', so its number of classes is unknown")
-    return int(state_dict["fc.weight"].shape[0])
+    """The classifier size of a ResNet state_dict (rows of `fc.weight`); 0 for a backbone, whose
+    state_dict holds nothing under `fc.`.
+
+    Raises:
+      ConversionError: there are `fc.` keys but no 2-D `fc.weight` (a head that is not
+        torchvision's `nn.Linear`).
+    """
+    fc = state_dict.get("fc.weight")
+    if fc is not None and len(fc.shape) == 2:
+        return int(fc.shape[0])
+    if not any(k.startswith("fc.") for k in state_dict):
+        return 0
+    found = ", ".join(sorted(k for k in state_dict if k.startswith("fc."))[:4])
+    raise ConversionError(f"the state_dict's classifier is not torchvision's nn.Linear `fc` (found {found}), so its "
+                          "number of classes is unknown; drop it with torch_compat.backbone_state_dict "
+                          "(CLI --backbone-only) to port the backbone alone")
+
+
+def backbone_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The backbone's tensors alone: `conv1`, `bn1`, `layer1`..`layer4`, in their order.
+
+    Everything else is dropped: the classifier `fc` whatever its form, and what self-supervised
+    and detection checkpoints keep beside a backbone (projection heads, prototypes, queues).
+    A state_dict of `nn.Sequential(*list(resnet.children())[:-1])` (keys `0.weight`,
+    `1.running_mean`, `4.0.conv1.weight`, ...) gets torchvision's names back: those children
+    come in a fixed order (conv1, bn1, relu, maxpool, layer1..layer4, avgpool).
+    The result ports as a ResNet with `num_classes=0`, whose output is the pooled features, and
+    goes back to torch as a model with `fc = nn.Identity()`.
+
+    Raises:
+      ConversionError: no key belongs to the backbone (the message summarises the keys found).
+
+    Example:
+      >>> import torchvision
+      >>> sd = backbone_state_dict(torchvision.models.resnet18().state_dict())
+      >>> "fc.weight" in sd, num_classes_of(sd)
+      (False, 0)
+    """
+    if _is_sequential_children(state_dict):
+        return {f"{_SEQUENTIAL_CHILDREN[k.split('.', 1)[0]]}.{k.split('.', 1)[1]}": v for k, v in state_dict.items()}
+    out = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in BACKBONE_MODULES}
+    if not out:
+        raise ConversionError(f"the state_dict holds no ResNet backbone keys (conv1, bn1, layer1..layer4); found "
+                              f"{describe_keys(state_dict)}")
+    return out

@@ -11,7 +11,7 @@ import torch
 import torchvision
 
 from jaxport import models
-from jaxport._errors import ConfigError
+from jaxport._errors import ConfigError, ConversionError
 
 from ._convert import check_state_dict, check_variables, detect_arch, flax_to_torch, num_classes_of, torch_to_flax
 
@@ -97,6 +97,14 @@ def _err(stage: str, a: np.ndarray, b: np.ndarray, rtol: float, b64: np.ndarray 
     return StageError(stage, max_abs, rel(max_abs), scale, tol, noise)
 
 
+def _torchvision(arch: str, num_classes: int) -> torch.nn.Module:
+    """torchvision's `arch`; with `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
+    model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000)
+    if not num_classes:
+        model.fc = torch.nn.Identity()
+    return model
+
+
 def _torch_stages(model: torch.nn.Module, x: torch.Tensor) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     hooks = []
@@ -139,7 +147,8 @@ def cross_check(
       state_dict: the torch weights (see `load_state_dict`).
       variables: the Flax variables to check; None converts `state_dict` with `torch_to_flax`.
       arch: architecture; None detects it.
-      modes: "eval" compares stem, layer1..4, pooled features and logits; "train" also
+      modes: "eval" compares stem, layer1..4, pooled features and logits (none for a backbone,
+        `num_classes_of(state_dict) == 0`, whose output is the pooled features); "train" also
         compares every BatchNorm's updated running statistics.
       batch_size, image_size, seed: the random NCHW/NHWC inputs.
       rtol: eval-mode tolerance on each stage's max error relative to its scale.
@@ -164,12 +173,18 @@ def cross_check(
     arch = arch or detect_arch(state_dict)
     # Both sides are checked against `arch` first (shapes only): one ConversionError naming every
     # misfit key (and what the weights look like), not torchvision's load_state_dict traceback.
-    check_state_dict(state_dict, arch)
+    entries = check_state_dict(state_dict, arch)
+    num_classes = num_classes_of(state_dict)
     if variables is None:
         variables = torch_to_flax(state_dict, arch)
     else:
-        check_variables(variables, arch)
-    num_classes = num_classes_of(state_dict)
+        port = check_variables(variables, arch)
+        if [e.torch_shape for e in port] != [e.torch_shape for e in entries]:  # both fit `arch`, with other heads
+            fc = [e.torch_shape[0] for e in port if e.torch_key == "fc.weight"]
+            heads = [f"{n} classes" if n else "no classifier (a backbone)" for n in (num_classes, *(fc or [0]))]
+            raise ConversionError(f"the state_dict has {heads[0]} but the Flax variables have {heads[1]}: a "
+                                  "cross-check compares weights with their own port; port them with the same "
+                                  "head (CLI: the same --backbone-only on both commands)")
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in state_dict.items()}
     variables = jax.tree.map(lambda a: np.asarray(a, np.float32) if np.issubdtype(np.asarray(a).dtype, np.floating)
                              or np.asarray(a).dtype.name == "bfloat16" else np.asarray(a), dict(variables))
@@ -181,13 +196,13 @@ def cross_check(
 
     reports = []
     for mode in modes:
-        torch_model = getattr(torchvision.models, arch)(num_classes=num_classes)
+        torch_model = _torchvision(arch, num_classes)
         torch_model.load_state_dict(f32, strict=True)
         torch_model.train(mode == "train")
         ref = _torch_stages(torch_model, x)
         ref64, model64 = {}, None
         if mode == "train":
-            model64 = getattr(torchvision.models, arch)(num_classes=num_classes).double()
+            model64 = _torchvision(arch, num_classes).double()
             model64.load_state_dict(f32, strict=True)
             model64.train()
             ref64 = _torch_stages(model64, x.double())
@@ -199,8 +214,9 @@ def cross_check(
                 logits, state = flax_model.apply(variables, x_nhwc, train=True, mutable=["intermediates", "batch_stats"])
         sown = state["intermediates"]
         inter = {s: (sown[s]["out"] if s.startswith("layer") else sown.get(s))[0] for s in STAGES[:-1]}
-        inter["logits"] = logits
-        rows = [_err(s, np.asarray(inter[s]), ref[s], tol, ref64.get(s)) for s in STAGES]
+        inter["logits"] = logits  # a backbone's output is the pooled features, compared as such
+        stages = STAGES if num_classes else STAGES[:-1]
+        rows = [_err(s, np.asarray(inter[s]), ref[s], tol, ref64.get(s)) for s in stages]
         if mode == "train":
             updated = {"params": variables["params"], "batch_stats": state["batch_stats"]}
             rows += _running_stats_rows(torch_model, model64, updated, arch, tol)

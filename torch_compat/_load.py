@@ -97,6 +97,7 @@ def load_state_dict(
     trusted: bool = False,
     ema: bool = False,
     mmap: bool = False,
+    prefix: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load the weights of a checkpoint file as ``{name: CPU tensor}``, without running its code.
 
@@ -111,6 +112,11 @@ def load_state_dict(
         see the benchmark). The tensors then share pages with the file: do not overwrite or
         truncate the file in place while they are alive (the process dies with SIGBUS), e.g.
         re-saving to the same path. Ignored for other formats.
+      prefix: keep only the keys under this prefix, with it removed, for a ResNet stored inside
+        a bigger model: ``"encoder_q."`` selects MoCo's query encoder, ``"backbone."`` a
+        detector's backbone (the trailing dot may be left out). It applies after the wrapper
+        prefixes are removed (``module.encoder_q.`` works too), and they are removed again
+        from what it selects.
 
     Returns:
       A plain dict, keys in file order (safetensors: data order), wrapper prefixes removed,
@@ -119,7 +125,8 @@ def load_state_dict(
     Raises:
       CheckpointError: the path is missing, a directory, empty, truncated, corrupt or not a
         checkpoint; its pickle needs globals outside the weights-only set (nothing was run);
-        it holds no recognisable state dict; or torch is too old for untrusted loading.
+        it holds no recognisable state dict; no key is under `prefix`; or torch is too old
+        for untrusted loading.
 
     Example:
       >>> sd = load_state_dict("resnet50.pth")  # doctest: +SKIP
@@ -133,7 +140,36 @@ def load_state_dict(
     else:
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip")
     where, sd = _select_state_dict(obj, shown, ema=ema)
-    return _strip_wrapper_prefixes(_check_tensors(sd, shown, where))
+    sd = _check_tensors(sd, shown, where)
+    stripped = _strip_wrapper_prefixes(sd)
+    return stripped if prefix is None else _select_prefix(sd, stripped, prefix, shown)
+
+
+def _select_prefix(raw: dict[str, torch.Tensor], stripped: dict[str, torch.Tensor], prefix: str,
+                   shown: str) -> dict[str, torch.Tensor]:
+    if not isinstance(prefix, str) or not prefix.strip("."):
+        raise CheckpointError(f"`prefix` (={prefix!r}) must name a submodule, e.g. 'encoder_q.' or 'backbone.'")
+    prefix = prefix if prefix.endswith(".") else prefix + "."
+    for sd in (stripped, raw):  # `encoder_q.` after `module.` is removed, or `module.encoder_q.` as written
+        selected = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and len(k) > len(prefix)}
+        if selected:
+            return _strip_wrapper_prefixes(selected)
+    raise CheckpointError(f"checkpoint '{shown}' has no keys under the prefix {prefix!r} (`prefix`, CLI --prefix); "
+                          f"its keys are {describe_keys(stripped)}")
+
+
+def describe_keys(keys, limit: int = 6) -> str:
+    """The keys grouped by their first component, biggest groups first: `encoder_q.* (320 keys),
+    queue` -- a summary that shows where the weights are in an unfamiliar checkpoint."""
+    groups: dict[str, int] = {}
+    for k in keys:
+        group = k.split(".", 1)[0] + (".*" if "." in k else "")
+        groups[group] = groups.get(group, 0) + 1
+    if not groups:
+        return "no keys"
+    ranked = sorted(groups.items(), key=lambda kv: (-kv[1], kv[0]))
+    shown = [f"{g} ({n} key{'s' if n > 1 else ''})" if g.endswith("*") else g for g, n in ranked[:limit]]
+    return ", ".join(shown) + (f", ... ({len(ranked) - limit} more groups)" if len(ranked) > limit else "")
 
 
 # --- format detection ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from .._errors import CheckpointError, ConfigError
+from .._errors import CheckpointError, ConfigError, ConversionError
 from .._io import holds_variables, load_variables, read_metadata
 
 
@@ -47,26 +47,36 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
 
         # safe unless trusted: weights-only, wrappers unwrapped; safetensors need no pickle at all
         state_dict = torch_compat.load_state_dict(path, trusted=trusted)
-        found, variables = torch_compat.detect_arch(state_dict), None  # converted once the arch is right
+        try:
+            found = torch_compat.detect_arch(state_dict)
+            # converted only once the arch is right (else the ConfigError below says so)
+            variables = torch_compat.torch_to_flax(state_dict, arch) if found == arch else None
+        except ConversionError as e:
+            raise ConversionError(f"`--init` (={path}): {e}. To start from part of a checkpoint, port that part "
+                                  "first (jaxport port CHECKPOINT --prefix ... / --backbone-only) and pass the "
+                                  "port to --init") from None
     if found is not None and found != arch:
         raise ConfigError(f"`--init` (={path}) holds {found} weights but `--arch` is {arch}; use --arch {found}")
-    if variables is None:
-        variables = torch_compat.torch_to_flax(state_dict, arch)
     return jax.tree.map(np.asarray, variables)
 
 
 def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print) -> dict:
-    """`variables` with the classifier (`fc`) taken from `fresh` when its size differs;
-    every other tensor must match `fresh`'s shape.
+    """`variables` with the classifier (`fc`) taken from `fresh` when its size differs or
+    `variables` is a backbone without one; every other tensor must match `fresh`'s shape.
 
     Raises:
       CheckpointError: any other tensor has another shape (a different architecture).
     """
-    if "params" not in variables or "fc" not in variables["params"]:
-        raise CheckpointError(f"--init weights hold no ResNet parameters (top-level keys: {sorted(variables)}); "
+    if "params" not in variables or "conv1" not in variables["params"]:
+        found = sorted(variables.get("params", variables))[:6]
+        raise CheckpointError(f"--init weights hold no ResNet parameters (found: {found}); "
                               "pass a torchvision ResNet checkpoint, jaxport variables or a workdir")
     out = {"params": dict(variables["params"]), "batch_stats": variables.get("batch_stats", {})}
-    old, new = np.shape(out["params"]["fc"]["kernel"]), np.shape(fresh["params"]["fc"]["kernel"])
+    new = np.shape(fresh["params"]["fc"]["kernel"])
+    if "fc" not in out["params"]:
+        log(f"--init: the weights are a backbone without a classifier: initialising fc ({new[1]} outputs)")
+        out["params"]["fc"] = fresh["params"]["fc"]
+    old = np.shape(out["params"]["fc"]["kernel"])
     if old != new:
         log(f"--init: classifier head has {old[1]} classes, the data {new[1]}: re-initialising fc "
             f"({old[1]} -> {new[1]} outputs)")
