@@ -326,6 +326,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _ClosedPipeSafe:
+    """stdout that outlives its reader: `jaxport port ... | head -3` still writes the port.
+
+    Once the reader has gone (BrokenPipeError), the rest of the output goes to /dev/null and
+    the command finishes its work, instead of dying mid-way with nothing saved.
+    """
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._discard()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._discard()
+
+    def _discard(self) -> None:
+        # The file descriptor itself now points at /dev/null, so what is still buffered (and
+        # the interpreter's flush at exit) lands there without a second error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, self._stream.fileno())
+        os.close(devnull)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 def _one_line_warnings(message, category, filename, lineno, file=None, line=None):
     print(f"jaxport: warning: {message}", file=sys.stderr)
 
@@ -334,6 +368,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warnings
+    stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
+    try:
+        return _run(args)
+    finally:
+        sys.stdout = stdout
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except JaxportError as e:

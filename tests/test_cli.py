@@ -184,6 +184,22 @@ class _Payload:
         return (os.system, (f"touch {_Payload.marker}",))
 
 
+def test_a_reader_that_stops_early_does_not_stop_the_port(tmp_path, resnet18_checkpoint):
+    """`jaxport port ... | head -1`: the pipe closes before the output is written; the port must
+    still be saved (it was an internal BrokenPipeError before anything was written)."""
+    out = tmp_path / "piped.safetensors"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxport", "port", str(resnet18_checkpoint), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == 0, err
+    assert "error" not in err and "Traceback" not in err, err
+    variables = jaxport.load_variables(out)
+    want = reference("resnet18").state_dict()["conv1.weight"].permute(2, 3, 1, 0).numpy()
+    np.testing.assert_array_equal(np.asarray(variables["params"]["conv1"]["kernel"]), want)
+
+
 def test_hostile_pickle_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "pwned"
     _Payload.marker = marker
