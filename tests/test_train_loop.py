@@ -53,6 +53,7 @@ def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path):
     out = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "resuming from step" in out.stderr
+    assert out.stdout.strip() == f"stopped at step 14 (--max-steps), checkpoints in {killed}"
 
     a, _ = load_workdir(str(full))
     b, arch = load_workdir(str(killed))
@@ -351,3 +352,19 @@ def test_default_digits_run_reaches_95_percent(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert len(rows) == 6 and rows[-1]["val_acc"] >= 0.95, rows[-1]
     assert (tmp_path / "run" / "training_curves.png").stat().st_size > 10_000
+
+
+def test_the_last_line_says_how_the_run_ended():
+    """It used to report an earlier epoch's accuracy as the result of a run that --max-steps
+    stopped later, and 'stopped (--max-steps)' for a resumed run that had nothing left to do."""
+    from types import SimpleNamespace
+
+    from jaxport.train._cli import summary
+
+    state = SimpleNamespace(step=np.int32(25))
+    row = {"epoch": 0, "step": 22, "val_acc": 0.5}
+    assert summary({**row, "state": state, "steps_run": 25}, "w") == (
+        "stopped at step 25 (--max-steps); last evaluation (epoch 1, step 22): val accuracy 0.5000, checkpoints in w")
+    assert summary({"state": state, "steps_run": 3}, "w") == "stopped at step 25 (--max-steps), checkpoints in w"
+    assert summary({**row, "step": 25, "state": state, "steps_run": 3}, "w") == "val accuracy 0.5000, checkpoints in w"
+    assert summary({"state": state, "steps_run": 0}, "w") == "nothing to train: already at step 25, checkpoints in w"

@@ -45,7 +45,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
     p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (ImageFolder)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this global step")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
+                   help="no progress bar (by default there is one when stderr is a terminal; logs get the "
+                        "per-epoch lines only)")
     p.add_argument("--coordinator", default=None, help="multi-process: coordinator host:port")
     p.add_argument("--num-processes", type=int, default=None)
     p.add_argument("--process-id", type=int, default=None)
@@ -64,11 +66,21 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:  # SIGINT/SIGTERM: the last finished step was checkpointed
         print(f"jaxport: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
-    if "val_acc" in result:
-        print(f"val accuracy {result['val_acc']:.4f}, checkpoints in {args.workdir}")
-    else:  # --max-steps ended the run mid-epoch: no evaluation happened
-        print(f"stopped at step {int(result['state'].step)} (--max-steps), checkpoints in {args.workdir}")
+    print(summary(result, args.workdir))
     return 0
+
+
+def summary(result: dict, workdir: str) -> str:
+    """The last line of a run: what `train` returned, said truthfully."""
+    step = int(result["state"].step)
+    if not result["steps_run"]:
+        return f"nothing to train: already at step {step}, checkpoints in {workdir}"
+    if result.get("step") == step:  # the run ended with an epoch, and its evaluation
+        return f"val accuracy {result['val_acc']:.4f}, checkpoints in {workdir}"
+    # --max-steps ended the run mid-epoch, after the last evaluation (if any)
+    last = (f"; last evaluation (epoch {result['epoch'] + 1}, step {result['step']}): val accuracy "
+            f"{result['val_acc']:.4f}") if "val_acc" in result else ""
+    return f"stopped at step {step} (--max-steps){last}, checkpoints in {workdir}"
 
 
 def main(argv=None) -> int:

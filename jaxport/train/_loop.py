@@ -54,7 +54,7 @@ class TrainConfig:
     workers: int | None = None
     max_steps: int | None = None  # stop after this global step (tests, smoke runs)
     memory_limit_bytes: int | None = None  # for --batch-size auto; default: the device's
-    progress: bool = True
+    progress: bool | None = True  # None: a progress bar only when stderr is a terminal (not in logs)
     devices: int | None = None  # single process: use only the first N local devices
     coordinator: str | None = None
     num_processes: int | None = None
@@ -196,7 +196,11 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
-    """Train `cfg.arch` data-parallel over every device; returns the last epoch's metrics.
+    """Train `cfg.arch` data-parallel over every device.
+
+    Returns the last evaluated epoch's metrics row (as in metrics.jsonl; none when no epoch
+    ended in this call) plus `state` (the final `TrainState`) and `steps_run` (steps this call
+    trained: 0 when resuming a run that is already at its last step).
 
     Writes `WORKDIR/checkpoints/<step>` (orbax), `WORKDIR/metrics.jsonl` (one JSON object per
     epoch) and `WORKDIR/training_curves.png`. With `resume`, continues from the latest
@@ -289,6 +293,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
         f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm "
         f"{'synchronised' if cfg.sync_bn else 'per device'}")
+    if start >= last_step:
+        say(f"nothing to train: the latest checkpoint is at step {start} and the run ends at step {last_step} "
+            "(raise --epochs or --max-steps to train further)")
     result: dict = {}
     gstep = start
     bar = None
@@ -308,7 +315,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                     from tqdm import tqdm
 
                     bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                               unit="step", dynamic_ncols=True, file=sys.stderr)
+                               unit="step", dynamic_ncols=True, file=sys.stderr,
+                               disable=None if cfg.progress is None else False)  # None: tqdm asks isatty
                 t0, seen = time.perf_counter(), 0
                 loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
 
@@ -390,6 +398,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.variables)
         save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch)
     result["state"] = state
+    result["steps_run"] = gstep - start
     return result
 
 
