@@ -120,6 +120,14 @@ def test_every_problem_is_reported_at_once():
     assert "1 wrong shape: layer3.1.conv2.weight: got (256, 256, 1, 1), expected (256, 256, 3, 3)" in msg
 
 
+def test_meta_tensors_are_refused_before_any_copy():
+    with torch.device("meta"):
+        sd = torchvision.models.resnet18().state_dict()
+    with pytest.raises(ConversionError, match=r"122 tensors of the state_dict \(conv1.weight, bn1.weight, "
+                                              r"bn1.bias, ...\) are meta tensors"):
+        torch_compat.torch_to_flax(sd)
+
+
 def test_detect_arch_errors():
     with pytest.raises(ConversionError, match="does not look like a torchvision ResNet"):
         torch_compat.detect_arch(torchvision.models.vgg11().state_dict())

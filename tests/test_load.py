@@ -416,6 +416,12 @@ BROKEN = {
         "ambiguous",
     ),
     "torchscript": (lambda d: _torchscript(d / "ts.pt"), "TorchScript archive"),
+    # A model built under torch.device("meta") (accelerate's init_empty_weights) and saved as
+    # is: shapes, no data. It reached users as an internal NotImplementedError.
+    "meta_tensors": (
+        lambda d: save({"w": torch.empty(2, 3, device="meta"), "b": ONE}, d / "meta.pt", "zip"),
+        r"1 of its 2 tensors \(\['w'\]\) are meta tensors, which have a shape but no data",
+    ),
 }
 
 

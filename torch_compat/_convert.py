@@ -380,6 +380,11 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
     """
     arch = detect_arch(state_dict) if arch is None else arch
     entries = check_state_dict(state_dict, arch)
+    meta = [k for k, v in state_dict.items() if getattr(v, "is_meta", False)]
+    if meta:
+        raise ConversionError(f"{len(meta)} tensors of the state_dict ({', '.join(meta[:3])}"
+                              f"{', ...' if len(meta) > 3 else ''}) are meta tensors, with a shape but no data: "
+                              "materialise the model's weights before converting them")
     # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
     # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.
     def convert(e: Entry):

@@ -480,6 +480,14 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
             )
         # Parameters (trusted loads) become plain tensors; map_location already put them on CPU.
         out[key] = value.detach() if value.requires_grad else value
+    meta = [k for k, v in out.items() if v.is_meta]
+    if meta:
+        raise CheckpointError(
+            f"checkpoint '{shown}': {len(meta)} of its {len(out)} tensors ({_short_list(meta, 3)}) are meta "
+            "tensors, which have a shape but no data: the model was saved before its weights were "
+            "materialised (built under torch.device('meta') or accelerate's init_empty_weights); "
+            "save it after loading or initialising the real weights"
+        )
     return out
 
 
