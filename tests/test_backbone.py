@@ -184,6 +184,23 @@ def test_prefix_selects_a_resnet_inside_a_bigger_checkpoint(tmp_path):
         torch_compat.detect_arch(nested)
 
 
+def test_a_detectors_backbone_ports_with_its_prefix(tmp_path):
+    """torchvision's Faster R-CNN keeps its ResNet-50 (no fc, IntermediateLayerGetter) under
+    `backbone.body.`, beside the FPN and the heads."""
+    torch.manual_seed(0)
+    detector = torchvision.models.detection.fasterrcnn_resnet50_fpn(weights=None, weights_backbone=None)
+    path = tmp_path / "frcnn.pth"
+    torch.save(detector.state_dict(), path)
+    with pytest.raises(ConversionError, match=r"its ResNet is under 'backbone.body.'.*--prefix backbone.body."):
+        torch_compat.detect_arch(torch_compat.load_state_dict(path))
+    sd = torch_compat.load_state_dict(path, prefix="backbone.body")
+    body = detector.backbone.body.state_dict()
+    assert list(sd) == list(body) and all(torch.equal(sd[k], v) for k, v in body.items())
+    assert torch_compat.detect_arch(sd) == "resnet50" and torch_compat.num_classes_of(sd) == 0
+    (report,) = torch_compat.cross_check(sd, modes=("eval",))
+    assert report.ok, report.table()
+
+
 def test_cli_ports_mocos_query_encoder_and_exports_the_backbone(tmp_path, capsys):
     path = tmp_path / "moco.pth.tar"
     encoders = _moco(path)
