@@ -54,6 +54,19 @@ def test_cross_check_rejects_unknown_modes():
         torch_compat.cross_check(reference("resnet18").state_dict(), modes=("test",))
 
 
+def test_one_value_per_channel_in_train_mode_is_refused_up_front():
+    """torch refuses train-mode BatchNorm over one value per channel; `jaxport verify
+    --batch-size 1 --image-size 32` ended in an internal ValueError from torch."""
+    sd = reference("resnet18").state_dict()
+    with pytest.raises(ValueError, match=r"`batch_size` \(=1\) x layer4's 1x1 positions at `image_size` \(=32\)"):
+        torch_compat.cross_check(sd, modes=("eval", "train"), batch_size=1, image_size=32)
+    # the bound is exact: one more pixel gives layer4 2x2 positions, which torch accepts
+    (report,) = torch_compat.cross_check(sd, modes=("train",), batch_size=1, image_size=33)
+    assert report.ok, report.table()
+    (report,) = torch_compat.cross_check(sd, modes=("eval",), batch_size=1, image_size=32)
+    assert report.ok, report.table()
+
+
 @pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
 def test_train_mode_is_exact_in_float64(arch):
     """The float32 train-mode tolerance is rounding, not semantics: in float64 the port agrees

@@ -97,6 +97,14 @@ def _err(stage: str, a: np.ndarray, b: np.ndarray, rtol: float, b64: np.ndarray 
     return StageError(stage, max_abs, rel(max_abs), scale, tol, noise)
 
 
+def _layer4_side(image_size: int) -> int:
+    """Side of layer4's output: the stem conv and max-pool, then layer2..4, each halve it."""
+    side = (image_size + 2 * 3 - 7) // 2 + 1
+    for _ in range(4):
+        side = (side + 2 - 3) // 2 + 1
+    return side
+
+
 def _torchvision(arch: str, num_classes: int) -> torch.nn.Module:
     """torchvision's `arch`; with `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
     model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000)
@@ -170,6 +178,13 @@ def cross_check(
     bad = [m for m in modes if m not in ("eval", "train")]
     if bad or not modes:
         raise ConfigError(f"`modes` (={list(modes)}) must be a non-empty subset of ('eval', 'train')")
+    side = _layer4_side(image_size)
+    if "train" in modes and batch_size * side * side < 2:
+        # torch refuses train-mode BatchNorm over a single value per channel (its unbiased
+        # variance would divide by zero); say so before running anything.
+        raise ConfigError(f"`batch_size` (={batch_size}) x layer4's {side}x{side} positions at `image_size` "
+                          f"(={image_size}) leaves train-mode BatchNorm one value per channel, which torch refuses; "
+                          "use batch_size >= 2 or image_size > 32 (CLI --batch-size, --image-size), or eval mode only")
     arch = arch or detect_arch(state_dict)
     # Both sides are checked against `arch` first (shapes only): one ConversionError naming every
     # misfit key (and what the weights look like), not torchvision's load_state_dict traceback.

@@ -113,8 +113,8 @@ def load_state_dict(
         truncate the file in place while they are alive (the process dies with SIGBUS), e.g.
         re-saving to the same path. Ignored for other formats.
       prefix: keep only the keys under this prefix, with it removed, for a ResNet stored inside
-        a bigger model: ``"encoder_q."`` selects MoCo's query encoder, ``"backbone."`` a
-        detector's backbone (the trailing dot may be left out). It applies after the wrapper
+        a bigger model: ``"encoder_q."`` selects MoCo's query encoder, ``"backbone.body."``
+        torchvision Faster R-CNN's ResNet (the trailing dot may be left out). It applies after the wrapper
         prefixes are removed (``module.encoder_q.`` works too), and they are removed again
         from what it selects.
 
