@@ -186,6 +186,21 @@ def test_invalid_settings_are_refused_before_any_work(tmp_path, field, value, ma
     assert not (tmp_path / "w").exists()
 
 
+@pytest.mark.parametrize("coordinator, num_processes, process_id, match", [
+    (None, 2, None, "`--coordinator`, `--num-processes` and `--process-id` go together"),
+    ("127.0.0.1:1234", 0, 0, r"`--num-processes` \(=0\) must be >= 1"),
+    ("127.0.0.1:1234", 2, 5, r"`--process-id` \(=5\) must be in \[0, 2\)"),
+    ("nohost", 1, 0, r"`--coordinator` \(='nohost'\) must be host:port"),  # was an internal IndexError
+    ("host:99999", 1, 0, r"`--coordinator` \(='host:99999'\) must be host:port"),
+])
+def test_invalid_multi_process_settings_are_refused_before_any_connection(coordinator, num_processes, process_id,
+                                                                          match):
+    from jaxport.train import _distributed
+
+    with pytest.raises(ConfigError, match=match):
+        _distributed.initialize(coordinator, num_processes, process_id)
+
+
 def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
     """A run whose loss or weights turn non-finite stops with a clear error naming the step and
     the latest checkpoint; nothing non-finite is ever saved, so the checkpoints left (and the

@@ -40,8 +40,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         raise ConfigError("`--coordinator`, `--num-processes` and `--process-id` go together; "
                           f"got coordinator={coordinator}, num_processes={num_processes}, process_id={process_id}")
     if all(given):
+        if num_processes < 1:
+            raise ConfigError(f"`--num-processes` (={num_processes}) must be >= 1")
         if not 0 <= process_id < num_processes:
             raise ConfigError(f"`--process-id` (={process_id}) must be in [0, {num_processes})")
+        host, _, port = coordinator.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"`--coordinator` (={coordinator!r}) must be host:port, e.g. 10.0.0.1:1234: the "
+                              "address where process 0 listens, the same for every process")
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id)
         return True
