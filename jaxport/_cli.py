@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import math
 import os
+import shlex
 import sys
 import time
 import warnings
@@ -59,7 +60,7 @@ def _load_checkpoint(path: str, args):
 
 def _loading_flags(args) -> str:
     """The loading options of this command line, to repeat in the next one."""
-    flags = [f"--prefix {args.prefix}"] if args.prefix else []
+    flags = [f"--prefix {shlex.quote(args.prefix)}"] if args.prefix else []
     flags += [f"--{name.replace('_', '-')}" for name in ("backbone_only", "ema", "trusted") if getattr(args, name)]
     return "".join(" " + f for f in flags)
 
@@ -160,7 +161,8 @@ def _cmd_port(args) -> int:
             step("cross-checking against torchvision")
             ok = _print_reports(torch_compat.cross_check(state_dict, variables, arch=detected))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
-          if args.verify else f"next: jaxport verify {ckpt} {out}{_loading_flags(args)}")
+          if args.verify else f"next: jaxport verify {shlex.quote(str(ckpt))} {shlex.quote(str(out))}"
+                              f"{_loading_flags(args)}")
     return 0 if ok else EXIT_MISMATCH
 
 
