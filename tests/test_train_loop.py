@@ -201,6 +201,30 @@ def test_invalid_multi_process_settings_are_refused_before_any_connection(coordi
         _distributed.initialize(coordinator, num_processes, process_id)
 
 
+def test_an_unreachable_or_busy_coordinator_is_a_clear_error():
+    """A wrong --coordinator hung for five minutes, then died in a C++ abort with a stack trace;
+    a busy port was an internal "Failed to start RPC server"."""
+    import socket
+
+    from jaxport.train import _distributed
+
+    with socket.socket() as listener:  # something else already listens on the port
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(ConfigError, match=rf"port {port} is in use on this machine, and process 0 serves"):
+            _distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+    said = []
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"`--coordinator` \(='127.0.0.1:{port}'\) did not answer within 1.5 s "
+                                          r"\(Connection refused\): start process 0 \(--process-id 0\)"):
+        _distributed.initialize(f"127.0.0.1:{port}", 2, 1, connect_timeout_s=1.5, log=said.append)
+    assert 1.5 <= time.monotonic() - t0 < 10
+    assert said == [f"waiting for the coordinator at 127.0.0.1:{port} (process 0) ..."]
+    with pytest.raises(ConfigError, match=r"cannot resolve host 'no-such-host.invalid'"):
+        _distributed.initialize("no-such-host.invalid:1234", 2, 1, connect_timeout_s=1.5)
+
+
 def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
     """A run whose loss or weights turn non-finite stops with a clear error naming the step and
     the latest checkpoint; nothing non-finite is ever saved, so the checkpoints left (and the

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
+from typing import Callable
 
 import jax
 
@@ -23,8 +27,52 @@ def _in_cluster() -> bool:
     return False
 
 
+# jax.distributed.initialize's own default: how long a process waits for the others.
+CONNECT_TIMEOUT_S = 300
+
+
+def _check_port_free(coordinator: str, port: int) -> None:
+    """Process 0 serves the coordinator on `port`: a port in use was an internal
+    "Failed to start RPC server" from jax. (A race with another program remains possible.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # only a listener blocks it
+        try:
+            sock.bind(("", port))
+        except OSError as e:
+            raise ConfigError(f"`--coordinator` (={coordinator!r}): port {port} is in use on this machine, and process "
+                              f"0 serves the coordinator there ({e.strerror}); choose a free port, the same for "
+                              "every process") from None
+
+
+def _wait_for_coordinator(coordinator: str, host: str, port: int, timeout_s: float,
+                          log: Callable[[str], None]) -> None:
+    """Wait until process 0's coordinator accepts connections. Without this, a process whose
+    coordinator never comes up (wrong address, process 0 not started, a firewall) hung for five
+    minutes and then died in a C++ abort with a stack trace."""
+    deadline = time.monotonic() + timeout_s
+    waiting = False
+    while True:
+        try:
+            with socket.create_connection((host.strip("[]"), port), timeout=5):
+                return
+        except socket.gaierror as e:
+            raise ConfigError(f"`--coordinator` (={coordinator!r}): cannot resolve host {host!r} ({e.strerror}); "
+                              "pass the address of the machine that runs process 0") from None
+        except OSError as e:
+            problem = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"`--coordinator` (={coordinator!r}) did not answer within {timeout_s:g} s ({problem}): "
+                              "start process 0 (--process-id 0) with the same --coordinator, on the machine at that "
+                              "address, and check that the port is reachable from here")
+        if not waiting:
+            log(f"waiting for the coordinator at {coordinator} (process 0) ...")
+            waiting = True
+        time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
+               process_id: int | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+               log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> bool:
     """Start jax's multi-process runtime when asked to or when launched by a cluster.
 
     With `coordinator`, `num_processes` and `process_id` given, uses them (e.g.
@@ -32,8 +80,14 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     Kubernetes with more than one task, lets jax detect them; otherwise does nothing (one
     process). Must run before anything touches a device. Returns whether it initialised.
 
+    Before jax connects, process 0 checks that the coordinator's port is free and the others
+    wait (up to `connect_timeout_s`) until it answers, so a wrong address or a process 0 that
+    never started is a clear error. A process 0 whose peers never join still ends in jax's own
+    abort after `connect_timeout_s`; it prints whom it is waiting for first.
+
     Raises:
-      ConfigError: only some of the three explicit arguments given, or inconsistent ones.
+      ConfigError: only some of the three explicit arguments given, inconsistent ones, a port
+        in use (process 0), or a coordinator that cannot be resolved or did not answer in time.
     """
     given = [coordinator is not None, num_processes is not None, process_id is not None]
     if any(given) and not all(given):
@@ -48,8 +102,15 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise ConfigError(f"`--coordinator` (={coordinator!r}) must be host:port, e.g. 10.0.0.1:1234: the "
                               "address where process 0 listens, the same for every process")
+        if process_id == 0:
+            _check_port_free(coordinator, int(port))
+            if num_processes > 1:
+                log(f"coordinator at {coordinator}: waiting for the {num_processes - 1} other process(es) to join "
+                    f"(up to {connect_timeout_s:g} s)")
+        else:
+            _wait_for_coordinator(coordinator, host, int(port), connect_timeout_s, log)
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
+                                   process_id=process_id, initialization_timeout=int(connect_timeout_s))
         return True
     if _in_cluster():
         jax.distributed.initialize()
