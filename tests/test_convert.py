@@ -120,6 +120,15 @@ def test_every_problem_is_reported_at_once():
     assert "1 wrong shape: layer3.1.conv2.weight: got (256, 256, 1, 1), expected (256, 256, 3, 3)" in msg
 
 
+def test_arrays_instead_of_tensors_are_one_clear_error():
+    """e.g. `safetensors.numpy.load_file(...)`: was an AttributeError ('numel') from deep inside."""
+    sd = {k: v.numpy() for k, v in reference("resnet18").state_dict().items()}
+    for call in (torch_compat.torch_to_flax, lambda s: torch_compat.cross_check(s, modes=("eval",))):
+        with pytest.raises(ConversionError, match=r"state_dict\['conv1.weight'\] is numpy.ndarray, not a torch.Tensor "
+                                                  r"\(122 such values\).*torch.from_numpy"):
+            call(sd)
+
+
 def test_meta_tensors_are_refused_before_any_copy():
     with torch.device("meta"):
         sd = torchvision.models.resnet18().state_dict()

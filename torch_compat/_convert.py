@@ -259,6 +259,13 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
         architecture the weights look like when it is not `arch`.
     """
     _spec(arch)
+    not_tensors = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    if not_tensors:
+        k = not_tensors[0]
+        raise ConversionError(
+            f"state_dict[{k!r}] is {type(state_dict[k]).__module__}.{type(state_dict[k]).__qualname__}, not a "
+            f"torch.Tensor ({len(not_tensors)} such values): a state_dict maps names to torch tensors; read a file "
+            "with torch_compat.load_state_dict(path), or convert arrays with torch.from_numpy")
     entries = table(arch, _num_classes({k: tuple(v.shape) for k, v in state_dict.items()}, "fc.weight", 0))
     _check(arch, entries, {k: tuple(v.shape) for k, v in state_dict.items()}, "torch_key",
            _looks_like(state_dict), "the state_dict's weights")
