@@ -99,6 +99,13 @@ def test_torchvision_option_errors():
         models.build("resnet51")
     with pytest.raises(ConfigError, match="NHWC"):
         models.resnet18().init(jax.random.key(0), jnp.zeros((32, 32, 3)))
+    # torch's layout passed to a port: was flax's "kernel ... expected (7, 7, 32, 64)" in conv1
+    variables = models.resnet18().init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    with pytest.raises(ConfigError, match=r"got shape \(2, 3, 32, 32\), which looks like torch's NCHW: transpose"):
+        models.resnet18().apply(variables, jnp.zeros((2, 3, 32, 32)))
+    # other channel counts stay possible (e.g. a 1-channel stem), as before
+    assert models.resnet18().init(jax.random.key(0), jnp.zeros((1, 32, 32, 1)))["params"]["conv1"]["kernel"].shape == (
+        7, 7, 1, 64)
 
 
 def test_custom_resnet_options_match_torchvision():

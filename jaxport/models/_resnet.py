@@ -249,6 +249,11 @@ class ResNet(nn.Module):
     def __call__(self, x, train: bool = False):
         if x.ndim != 4:
             raise ConfigError(f"ResNet input must be NHWC with 4 dims, got shape {tuple(x.shape)}")
+        if x.shape[1] == 3 and x.shape[-1] != 3:
+            # torch's layout: the first thing a port gets wrong, and flax would only report a
+            # kernel shape mismatch in conv1.
+            raise ConfigError(f"ResNet input must be NHWC (channels last); got shape {tuple(x.shape)}, which looks "
+                              "like torch's NCHW: transpose it with x.transpose(0, 2, 3, 1)")
         if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
             raise ConfigError(f"`num_classes` (={self.num_classes!r}) must be an int >= 0 "
                               "(0: no classifier, the model returns the pooled features)")
