@@ -344,6 +344,14 @@ def test_bad_data_directories(tmp_path):
     one = _image_folder(tmp_path / "one", classes=("only",))
     with pytest.raises(ConfigError, match="single class .*'only'.*at least 2"):
         _data.image_folder(str(one))
+    # An empty class folder was trained on as a class with no images (torchvision refuses it).
+    gap = _image_folder(tmp_path / "gap", classes=("a", "b"), per_class=10)
+    (gap / "b_new").mkdir()
+    (gap / "b_new" / "notes.txt").write_text("labels to come")
+    with pytest.raises(ConfigError, match=r"class folder\(s\) 'b_new' hold no readable images"):
+        _data.image_folder(str(gap))
+    with pytest.raises(FileNotFoundError, match="b_new"):  # torchvision's own verdict on the same folder
+        torchvision.datasets.ImageFolder(str(gap))
 
 
 def test_batch_not_dividing_devices_is_refused_up_front(tmp_path):

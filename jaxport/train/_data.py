@@ -155,6 +155,13 @@ def _scan(root: str, name: str) -> tuple[list[str], list[tuple[str, int]], int]:
         raise ConfigError(f"`{name}` (={root}) holds no images: expected one sub-folder per class with "
                           f"{', '.join(IMG_EXTENSIONS)} files in it")
     used = sorted({label for _, label in samples})
+    has_images = set(used)
+    empty = [c for i, c in enumerate(classes) if i not in has_images]
+    if empty and len(used) >= 2:
+        # A class the model could never learn, which would also shift every label after it;
+        # torchvision's ImageFolder refuses such folders too.
+        raise ConfigError(f"`{name}` (={root}): class folder(s) {', '.join(map(repr, empty[:5]))} hold no readable "
+                          f"images ({', '.join(IMG_EXTENSIONS)}); add images or remove the folder(s)")
     if len(used) < 2:
         raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r}); "
                           "classification needs at least 2 class sub-folders with images")
@@ -234,7 +241,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     the images is held out. Unreadable images are skipped with a warning and counted.
 
     Raises:
-      ConfigError: a missing or empty directory, or a single class.
+      ConfigError: a missing or empty directory, a class folder without images, or a single class.
     """
     from torchvision import transforms as T
 
