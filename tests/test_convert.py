@@ -158,6 +158,12 @@ def test_flax_to_torch_strict():
     assert "params/layer1/0/conv1/kernel: got (3, 3, 64, 32), expected (3, 3, 64, 64)" in str(e.value)
     with pytest.raises(ConversionError, match="not a known architecture"):
         torch_compat.flax_to_torch(variables, "resnet19")
+    # the variables side names what they look like too (`jaxport export --arch` given wrong)
+    with pytest.raises(ConversionError, match=r"look like resnet18, not resnet50 \(pass arch='resnet18'"):
+        torch_compat.flax_to_torch(variables, "resnet50")
+    rx = torch_compat.torch_to_flax(torchvision.models.resnext50_32x4d(num_classes=3).state_dict())
+    with pytest.raises(ConversionError, match="look like resnext50_32x4d, not wide_resnet50_2"):
+        torch_compat.flax_to_torch(rx, "wide_resnet50_2")
 
 
 def test_flax_trained_variables_export_to_torchvision():

@@ -280,8 +280,26 @@ def check_variables(variables: Mapping[str, Any], arch: str) -> list[Entry]:
 def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
     _spec(arch)
     entries = table(arch, _num_classes({k: np.shape(v) for k, v in flat.items()}, "params/fc/kernel", 1))
-    _check(arch, entries, {k: tuple(np.shape(v)) for k, v in flat.items()}, "flax_key", None, "the Flax variables")
+    _check(arch, entries, {k: tuple(np.shape(v)) for k, v in flat.items()}, "flax_key",
+           _variables_look_like(flat), "the Flax variables")
     return entries
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shaped:
+    shape: tuple[int, ...]
+
+
+def _variables_look_like(flat: Mapping[str, Any]) -> str | None:
+    """The architecture Flax variables belong to, from their kernels' torch names and shapes."""
+    kernels = {}
+    for key, value in flat.items():
+        parts = key.split("/")
+        shape = tuple(np.shape(value))
+        if parts[0] == "params" and parts[-1] == "kernel" and len(shape) in (2, 4):
+            torch_shape = shape[::-1] if len(shape) == 2 else _permuted(shape, (3, 2, 0, 1))  # HWIO -> OIHW
+            kernels[".".join(parts[1:-1]) + ".weight"] = _Shaped(torch_shape)
+    return _looks_like(kernels)
 
 
 # --- tensors <-> arrays, keeping dtypes -------------------------------------------------------
