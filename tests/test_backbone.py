@@ -37,7 +37,6 @@ def _torchvision_backbone(arch, state_dict):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_headless_checkpoint_ports_runs_like_torchvision_and_goes_back(arch):
-    jax.config.update("jax_default_matmul_precision", "highest")
     sd = _headless(arch)
     assert torch_compat.detect_arch(sd) == arch
     assert torch_compat.num_classes_of(sd) == 0
