@@ -211,7 +211,8 @@ def _cmd_export(args) -> int:
     if not arch:
         raise ConfigError(f"'{src}' does not record its architecture; pass --arch (e.g. --arch resnet50)")
     state_dict = torch_compat.flax_to_torch(variables, arch)
-    with atomic_path(out) as tmp:
+    nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
+    with atomic_path(out, nbytes=nbytes + 200 * len(state_dict) + 65536) as tmp:  # data + a bound on the rest
         if out.suffix == ".safetensors":  # the name says safetensors: no pickle inside it
             import safetensors.torch
 
@@ -386,6 +387,10 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("jaxport: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # the machine, not jaxport: a full disk, a read-only or forbidden path
+        where = f": '{e.filename}'" if e.filename else ""
+        print(f"jaxport: error: {e.strerror or e}{where}", file=sys.stderr)
+        return EXIT_ERROR
     except Exception as e:  # a bug or an environment problem: still no traceback for the user
         if os.environ.get("JAXPORT_DEBUG"):
             raise

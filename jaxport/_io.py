@@ -8,8 +8,10 @@ numpy memmaps): no copy, so reading back costs a small fraction of `torch.load`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -54,14 +56,23 @@ def unflatten(flat: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
 
     An interrupted or failed write never leaves a partial file under the requested name, and
     never destroys an existing one. The file gets the usual umask permissions (not mkstemp's 0600).
+
+    Raises:
+      OSError: (ENOSPC) `nbytes` will not fit on the file system, said before anything is
+        written (a full disk otherwise surfaces as the writer's own error, e.g. safetensors').
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if nbytes is not None:
+        free = shutil.disk_usage(path.parent).free
+        if free < nbytes:
+            raise OSError(errno.ENOSPC, f"not enough space to write '{path}': it needs {nbytes / 1e6:.1f} MB and "
+                                        f"{free / 1e6:.1f} MB are free there; free some space or write elsewhere")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -93,7 +104,8 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
     # not np.ascontiguousarray: it turns 0-d arrays (num_batches_tracked) into 1-d ones
     flat = {k: np.asarray(v, order="C") for k, v in flatten(variables).items()}
     meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
-    with atomic_path(path) as tmp:
+    # the data plus a generous bound on the JSON header (~100 bytes per tensor)
+    with atomic_path(path, nbytes=sum(a.nbytes for a in flat.values()) + 100 * len(flat) + 4096) as tmp:
         safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
     return path
 
