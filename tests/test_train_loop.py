@@ -186,6 +186,16 @@ def test_invalid_settings_are_refused_before_any_work(tmp_path, field, value, ma
     assert not (tmp_path / "w").exists()
 
 
+def test_a_workdir_that_is_a_file_is_refused_by_name(tmp_path):
+    """Was jax/orbax's bare "File exists: 'w'" / "Not a directory"."""
+    (tmp_path / "w").write_text("notes")
+    with pytest.raises(ConfigError, match=r"`--workdir` \(=.*w\) is a file, not a directory"):
+        train(TrainConfig(workdir=str(tmp_path / "w")))
+    with pytest.raises(ConfigError, match=r"`--workdir` \(=.*w/run/1\) is inside '.*w', which is a file"):
+        train(TrainConfig(workdir=str(tmp_path / "w" / "run" / "1")))
+    assert (tmp_path / "w").read_text() == "notes"
+
+
 @pytest.mark.parametrize("coordinator, num_processes, process_id, match", [
     (None, 2, None, "`--coordinator`, `--num-processes` and `--process-id` go together"),
     ("127.0.0.1:1234", 0, 0, r"`--num-processes` \(=0\) must be >= 1"),

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 import jax
@@ -62,6 +63,11 @@ class TrainConfig:
 
 
 def _validate(cfg: TrainConfig) -> None:
+    blocking = next((p for p in (cfg.workdir, *map(str, Path(cfg.workdir).parents))
+                     if os.path.exists(p) and not os.path.isdir(p)), None)
+    if blocking is not None:
+        where = "is a file" if blocking == cfg.workdir else f"is inside '{blocking}', which is a file"
+        raise ConfigError(f"`--workdir` (={cfg.workdir}) {where}, not a directory; pass a new or existing directory")
     if cfg.arch not in ARCHS:
         raise ConfigError(f"`--arch` (={cfg.arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
     for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices"):
