@@ -114,9 +114,9 @@ def load_state_dict(
         re-saving to the same path. Ignored for other formats.
       prefix: keep only the keys under this prefix, with it removed, for a ResNet stored inside
         a bigger model: ``"encoder_q."`` selects MoCo's query encoder, ``"backbone.body."``
-        torchvision Faster R-CNN's ResNet (the trailing dot may be left out). It applies after the wrapper
-        prefixes are removed (``module.encoder_q.`` works too), and they are removed again
-        from what it selects.
+        torchvision Faster R-CNN's ResNet (the trailing dot may be left out). It applies after
+        the wrapper prefixes are removed (``module.encoder_q.`` works too), and they are
+        removed again from what it selects.
 
     Returns:
       A plain dict, keys in file order (safetensors: data order), wrapper prefixes removed,
@@ -134,6 +134,8 @@ def load_state_dict(
       torch.Size([64, 3, 7, 7])
     """
     shown = os.fspath(path)
+    if prefix is not None and (not isinstance(prefix, str) or not prefix.strip(".")):
+        raise CheckpointError(f"`prefix` (={prefix!r}) must name a submodule, e.g. 'encoder_q.' or 'backbone.body.'")
     kind = _sniff(shown)
     if kind == "safetensors":
         obj: Any = _load_safetensors(shown)
@@ -147,8 +149,6 @@ def load_state_dict(
 
 def _select_prefix(raw: dict[str, torch.Tensor], stripped: dict[str, torch.Tensor], prefix: str,
                    shown: str) -> dict[str, torch.Tensor]:
-    if not isinstance(prefix, str) or not prefix.strip("."):
-        raise CheckpointError(f"`prefix` (={prefix!r}) must name a submodule, e.g. 'encoder_q.' or 'backbone.'")
     prefix = prefix if prefix.endswith(".") else prefix + "."
     for sd in (stripped, raw):  # `encoder_q.` after `module.` is removed, or `module.encoder_q.` as written
         selected = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and len(k) > len(prefix)}
