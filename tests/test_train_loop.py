@@ -235,6 +235,29 @@ def test_an_unreachable_or_busy_coordinator_is_a_clear_error():
         _distributed.initialize("no-such-host.invalid:1234", 2, 1, connect_timeout_s=1.5)
 
 
+def test_a_process_whose_peers_never_join_stops_with_one_line():
+    """Process 0 of 2 with nobody else: jax aborts after its timeout with a C++ stack trace
+    (rc 134); jaxport's watchdog ends it first with one line and status 2."""
+    import socket
+
+    with socket.socket() as s:  # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("from jaxport.train import _distributed\n"
+            f"_distributed.initialize('127.0.0.1:{port}', 2, 0, connect_timeout_s=3)\n"
+            "print('initialised')")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2, proc.stderr
+    assert 3 <= time.monotonic() - t0 < 60
+    assert "initialised" not in proc.stdout and "stack trace" not in proc.stderr
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("jaxport: error")]
+    assert lines == [f"jaxport: error: the 2 processes did not all connect to the coordinator at 127.0.0.1:{port} "
+                     "within 3 s: start every process (--process-id 0 to 1) with the same --coordinator and "
+                     "--num-processes"], proc.stderr
+
+
 def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
     """A run whose loss or weights turn non-finite stops with a clear error naming the step and
     the latest checkpoint; nothing non-finite is ever saved, so the checkpoints left (and the

@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -29,6 +30,18 @@ def _in_cluster() -> bool:
 
 # jax.distributed.initialize's own default: how long a process waits for the others.
 CONNECT_TIMEOUT_S = 300
+
+
+# jax gives up this much later than jaxport's watchdog, so the watchdog's message comes first.
+_JAX_TIMEOUT_MARGIN_S = 30
+EXIT_NOT_CONNECTED = 2
+
+
+def _give_up(coordinator: str, num_processes: int, timeout_s: float) -> None:
+    print(f"jaxport: error: the {num_processes} processes did not all connect to the coordinator at {coordinator} "
+          f"within {timeout_s:g} s: start every process (--process-id 0 to {num_processes - 1}) with the same "
+          "--coordinator and --num-processes", file=sys.stderr, flush=True)
+    os._exit(EXIT_NOT_CONNECTED)  # jax's connect blocks the main thread in C++: nothing else can stop it
 
 
 def _check_port_free(coordinator: str, port: int) -> None:
@@ -82,8 +95,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 
     Before jax connects, process 0 checks that the coordinator's port is free and the others
     wait (up to `connect_timeout_s`) until it answers, so a wrong address or a process 0 that
-    never started is a clear error. A process 0 whose peers never join still ends in jax's own
-    abort after `connect_timeout_s`; it prints whom it is waiting for first.
+    never started is a clear error. If the processes have not all connected after
+    `connect_timeout_s`, the process prints one line and exits with status 2 (jax itself would
+    abort with a C++ stack trace 30 s later).
 
     Raises:
       ConfigError: only some of the three explicit arguments given, inconsistent ones, a port
@@ -109,8 +123,17 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                     f"(up to {connect_timeout_s:g} s)")
         else:
             _wait_for_coordinator(coordinator, host, int(port), connect_timeout_s, log)
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=int(connect_timeout_s))
+        # jax's own timeout ends in a C++ abort with a stack trace; a watchdog that fires first
+        # ends the process with one line instead. Nothing has been written yet at this point.
+        watchdog = threading.Timer(connect_timeout_s, _give_up, (coordinator, num_processes, connect_timeout_s))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                       process_id=process_id,
+                                       initialization_timeout=int(connect_timeout_s) + _JAX_TIMEOUT_MARGIN_S)
+        finally:
+            watchdog.cancel()
         return True
     if _in_cluster():
         jax.distributed.initialize()
