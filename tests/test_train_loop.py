@@ -280,6 +280,40 @@ def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
     assert (tmp_path / "variables.safetensors").read_bytes() == final
 
 
+def test_a_full_disk_while_checkpointing_is_named_as_such(tmp_path, monkeypatch):
+    """A full disk during a checkpoint was reported as "out of device memory (RESOURCE_EXHAUSTED)
+    ... use --batch-size 56" (orbax says RESOURCE_EXHAUSTED too), after ~900 lines of tracebacks
+    from orbax's writer threads."""
+    import collections
+
+    import orbax.checkpoint as ocp
+
+    from jaxport.train import _checkpoint
+
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=3,
+                      checkpoint_every=1, progress=False, devices=1)
+    save = ocp.CheckpointManager.save
+
+    def disk_fills_after_step_1(self, step, *args, **kwargs):
+        if step >= 2:
+            raise ValueError('RESOURCE_EXHAUSTED: Error writing "params.fc.bias/0" in OCDBT database: Failed to '
+                             "write 4096 bytes to file 17: No space left on device [os_error_code='28']")
+        return save(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", disk_fills_after_step_1)
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 in .*checkpoints: the disk is full; "
+                                              r".*the latest checkpoint, step 1, is intact: rerun with --resume"):
+        train(cfg)
+    monkeypatch.undo()
+    # Checked before writing: orbax's threads never start a write that cannot fit.
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 .*: it needs about \d+ MB and 1 MB "
+                                              r"are free there; .*step 1, is intact"):
+        train(TrainConfig(**{**cfg.__dict__, "resume": True}))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
+
+
 def _image_folder(root, classes=("a", "b"), per_class=6, corrupt=0):
     rng = np.random.default_rng(0)
     for c in classes:

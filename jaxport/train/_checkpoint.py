@@ -9,7 +9,9 @@ and the seed are the whole RNG state.
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -33,10 +35,38 @@ def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
-    """Save `state` and `meta` at `step` (all processes call it; returns when written)."""
-    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-              force=True)
-    mngr.wait_until_finished()
+    """Save `state` and `meta` at `step` (all processes call it; returns when written).
+
+    Raises:
+      CheckpointError: the file system has no room for it (checked first, so orbax's writer
+        threads do not fail mid-way, each with its own traceback), or the write failed; the
+        message names the directory and the latest checkpoint left intact.
+    """
+    where = str(mngr.directory)
+    need = sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20)  # orbax writes a little less
+    free = shutil.disk_usage(where).free
+    if free < need:
+        raise _not_written(mngr, step, f"it needs about {need / 1e6:.0f} MB and {free / 1e6:.0f} MB are free there")
+    try:
+        mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                  force=True)
+        mngr.wait_until_finished()
+    except Exception as e:  # noqa: BLE001 - any failed write: the run cannot go on without checkpoints
+        # Orbax leaves its unfinished temporary directory; remove it, it can only hold a partial step.
+        for name in os.listdir(where):
+            if name.startswith(f"{step}.") and "tmp" in name:
+                shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
+        raise _not_written(mngr, step, "the disk is full" if full else f"{type(e).__name__}: {first[:300]}") from None
+
+
+def _not_written(mngr: ocp.CheckpointManager, step: int, why: str) -> CheckpointError:
+    latest = mngr.latest_step()
+    kept = (f"the latest checkpoint, step {latest}, is intact: rerun with --resume to continue from it"
+            if latest is not None else "no checkpoint was written yet")
+    return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; free some space "
+                           f"(or fix the cause) first; {kept}")
 
 
 def _unreadable(path: str, step: int, err: Exception, steps: list[int]) -> CheckpointError:

@@ -81,4 +81,7 @@ def is_out_of_memory(err: BaseException) -> bool:
     """Whether `err` is XLA running out of device memory (a RESOURCE_EXHAUSTED runtime error)."""
     if isinstance(err, JaxportError):
         return False
-    return "RESOURCE_EXHAUSTED" in str(err) or "Out of memory" in str(err)
+    text = str(err)
+    if "No space left on device" in text or "os_error_code=" in text:  # a full disk says RESOURCE_EXHAUSTED too
+        return False
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
