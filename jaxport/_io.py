@@ -55,6 +55,18 @@ def unflatten(flat: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
     return tree
 
 
+def require_space(directory: str | os.PathLike, nbytes: int, what: str) -> None:
+    """Raise OSError(ENOSPC) naming `what` when `nbytes` will not fit in `directory`'s file system.
+
+    Writers that run out of space mid-way fail in their own words (safetensors' "os error 28",
+    orbax's RESOURCE_EXHAUSTED), so jaxport asks before writing.
+    """
+    free = shutil.disk_usage(directory).free
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"not enough space to {what}: it needs {nbytes / 1e6:.1f} MB and "
+                                    f"{free / 1e6:.1f} MB are free there; free some space or write elsewhere")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
@@ -69,10 +81,7 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if nbytes is not None:
-        free = shutil.disk_usage(path.parent).free
-        if free < nbytes:
-            raise OSError(errno.ENOSPC, f"not enough space to write '{path}': it needs {nbytes / 1e6:.1f} MB and "
-                                        f"{free / 1e6:.1f} MB are free there; free some space or write elsewhere")
+        require_space(path.parent, nbytes, f"write '{path}'")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:

@@ -301,15 +301,16 @@ def test_a_full_disk_while_checkpointing_is_named_as_such(tmp_path, monkeypatch)
         return save(self, step, *args, **kwargs)
 
     monkeypatch.setattr(ocp.CheckpointManager, "save", disk_fills_after_step_1)
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 in .*checkpoints: the disk is full; "
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 in .*checkpoints: the disk is full: "
+                                              r"free some space; "
                                               r".*the latest checkpoint, step 1, is intact: rerun with --resume"):
         train(cfg)
     monkeypatch.undo()
     # Checked before writing: orbax's threads never start a write that cannot fit.
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(_checkpoint.shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 10**6, 10**6))
-    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 .*: it needs about \d+ MB and 1 MB "
-                                              r"are free there; .*step 1, is intact"):
+    with pytest.raises(CheckpointError, match=r"could not write checkpoint step 2 .*: not enough space to save it: it "
+                                              r"needs [\d.]+ MB and 1.0 MB are free there; .*step 1, is intact"):
         train(TrainConfig(**{**cfg.__dict__, "resume": True}))
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["1"]
 

@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .._errors import CheckpointError
+from .._io import require_space
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -43,10 +44,10 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
         message names the directory and the latest checkpoint left intact.
     """
     where = str(mngr.directory)
-    need = sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20)  # orbax writes a little less
-    free = shutil.disk_usage(where).free
-    if free < need:
-        raise _not_written(mngr, step, f"it needs about {need / 1e6:.0f} MB and {free / 1e6:.0f} MB are free there")
+    try:
+        require_space(where, sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20), "save it")
+    except OSError as e:  # orbax writes a little less than the arrays' bytes: the bound is safe
+        raise _not_written(mngr, step, e.strerror) from None
     try:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
                   force=True)
@@ -58,15 +59,14 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
                 shutil.rmtree(os.path.join(where, name), ignore_errors=True)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-        raise _not_written(mngr, step, "the disk is full" if full else f"{type(e).__name__}: {first[:300]}") from None
+        raise _not_written(mngr, step, "the disk is full: free some space" if full else f"{type(e).__name__}: {first[:300]}") from None
 
 
 def _not_written(mngr: ocp.CheckpointManager, step: int, why: str) -> CheckpointError:
     latest = mngr.latest_step()
     kept = (f"the latest checkpoint, step {latest}, is intact: rerun with --resume to continue from it"
             if latest is not None else "no checkpoint was written yet")
-    return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; free some space "
-                           f"(or fix the cause) first; {kept}")
+    return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; {kept}")
 
 
 def _unreadable(path: str, step: int, err: Exception, steps: list[int]) -> CheckpointError:
