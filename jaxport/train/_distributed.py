@@ -30,8 +30,6 @@ def _in_cluster() -> bool:
 
 # jax.distributed.initialize's own default: how long a process waits for the others.
 CONNECT_TIMEOUT_S = 300
-
-
 # jax gives up this much later than jaxport's watchdog, so the watchdog's message comes first.
 _JAX_TIMEOUT_MARGIN_S = 30
 EXIT_NOT_CONNECTED = 2
