@@ -13,7 +13,7 @@ import torchvision
 from jaxport import models
 from jaxport._errors import ConfigError, ConversionError
 
-from ._convert import check_state_dict, check_variables, detect_arch, flax_to_torch, num_classes_of, torch_to_flax
+from ._convert import Entry, check_state_dict, check_variables, detect_arch, flax_to_torch, torch_to_flax
 
 STAGES = ("stem", "layer1", "layer2", "layer3", "layer4", "pooled", "logits")
 # torchvision module whose forward output is each stage (forward hooks read them there).
@@ -95,6 +95,11 @@ def _err(stage: str, a: np.ndarray, b: np.ndarray, rtol: float, b64: np.ndarray 
         noise = rel(float(np.max(np.abs(b - np.asarray(b64, np.float64)))) if b.size else 0.0)
         tol = max(rtol, NOISE_FACTOR * noise)
     return StageError(stage, max_abs, rel(max_abs), scale, tol, noise)
+
+
+def _classes(entries: list[Entry]) -> int:
+    """The classifier size a checked conversion table describes (0: a backbone)."""
+    return next((e.torch_shape[0] for e in entries if e.torch_key == "fc.weight"), 0)
 
 
 def _layer4_side(image_size: int) -> int:
@@ -188,16 +193,14 @@ def cross_check(
     arch = arch or detect_arch(state_dict)
     # Both sides are checked against `arch` first (shapes only): one ConversionError naming every
     # misfit key (and what the weights look like), not torchvision's load_state_dict traceback.
-    entries = check_state_dict(state_dict, arch)
-    num_classes = num_classes_of(state_dict)
+    num_classes = _classes(check_state_dict(state_dict, arch))
     if variables is None:
         variables = torch_to_flax(state_dict, arch)
     else:
-        port = check_variables(variables, arch)
-        if [e.torch_shape for e in port] != [e.torch_shape for e in entries]:  # both fit `arch`, with other heads
-            fc = [e.torch_shape[0] for e in port if e.torch_key == "fc.weight"]
-            heads = [f"{n} classes" if n else "no classifier (a backbone)" for n in (num_classes, *(fc or [0]))]
-            raise ConversionError(f"the state_dict has {heads[0]} but the Flax variables have {heads[1]}: a "
+        theirs = _classes(check_variables(variables, arch))
+        if theirs != num_classes:  # both fit `arch`, with other heads
+            head = [f"{n} classes" if n else "no classifier (a backbone)" for n in (num_classes, theirs)]
+            raise ConversionError(f"the state_dict has {head[0]} but the Flax variables have {head[1]}: a "
                                   "cross-check compares weights with their own port; port them with the same "
                                   "head (CLI: the same --backbone-only on both commands)")
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in state_dict.items()}
