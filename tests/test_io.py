@@ -53,28 +53,27 @@ def test_a_full_disk_is_named_before_anything_is_written(tmp_path, monkeypatch, 
     import collections
     import errno
 
+    import jax
+    import jax.numpy as jnp
+
     import jaxport._io
     from jaxport._cli import main
 
     path = jaxport.save_variables(tmp_path / "v.safetensors", _variables(), arch="resnet18")
+    r18 = jaxport.models.resnet18(num_classes=4).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    port = jaxport.save_variables(tmp_path / "r18.safetensors", r18, arch="resnet18")
     before = path.read_bytes()
     usage = collections.namedtuple("usage", "total used free")
     monkeypatch.setattr(jaxport._io.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
     with pytest.raises(OSError, match=r"not enough space to write .*v.safetensors': it needs .* MB and 0.0 MB") as e:
         jaxport.save_variables(path, _variables())
     assert e.value.errno == errno.ENOSPC
-    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["v.safetensors"]
-    import jax
-    import jax.numpy as jnp
-
-    real = jaxport.models.resnet18(num_classes=4).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    monkeypatch.undo()
-    path = jaxport.save_variables(tmp_path / "r18.safetensors", real, arch="resnet18")
-    monkeypatch.setattr(jaxport._io.shutil, "disk_usage", lambda p: usage(10**9, 10**9 - 1000, 1000))
-    assert main(["export", str(path), "--out", str(tmp_path / "v.pt")]) == 2
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r18.safetensors", "v.safetensors"]  # no temporary left
+    assert main(["export", str(port), "--out", str(tmp_path / "r18.pt")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("jaxport: error: not enough space to write") and "internal" not in err
-    assert not (tmp_path / "v.pt").exists()
+    assert not (tmp_path / "r18.pt").exists()
 
 
 @pytest.mark.parametrize("case", ["missing", "empty", "directory", "truncated", "garbage", "lying header"])

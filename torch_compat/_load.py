@@ -106,8 +106,8 @@ def load_state_dict(
       trusted: allow a full unpickle (``weights_only=False``), e.g. for a pickled ``nn.Module``,
         whose ``state_dict()`` is then taken. It can run arbitrary code from the file.
       ema: take the EMA copy of the weights (``model_ema``, ``ema``, ``state_dict_ema``,
-        ``model_ema_state_dict`` or ``ema_state_dict``); an error if the file has none. Without it an EMA copy is
-        never chosen.
+        ``model_ema_state_dict`` or ``ema_state_dict``); an error if the file has none. Without
+        it an EMA copy is never chosen.
       mmap: memory-map zip-format files instead of reading them (about 2x faster load+convert,
         see the benchmark). The tensors then share pages with the file: do not overwrite or
         truncate the file in place while they are alive (the process dies with SIGBUS), e.g.

@@ -59,7 +59,8 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
                 shutil.rmtree(os.path.join(where, name), ignore_errors=True)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-        raise _not_written(mngr, step, "the disk is full: free some space" if full else f"{type(e).__name__}: {first[:300]}") from None
+        why = "the disk is full: free some space" if full else f"{type(e).__name__}: {first[:300]}"
+        raise _not_written(mngr, step, why) from None
 
 
 def _not_written(mngr: ocp.CheckpointManager, step: int, why: str) -> CheckpointError:

@@ -154,8 +154,8 @@ def _scan(root: str, name: str) -> tuple[list[str], list[tuple[str, int]], int]:
     if not samples:
         raise ConfigError(f"`{name}` (={root}) holds no images: expected one sub-folder per class with "
                           f"{', '.join(IMG_EXTENSIONS)} files in it")
-    used = sorted({label for _, label in samples})
-    has_images = set(used)
+    has_images = {label for _, label in samples}
+    used = sorted(has_images)
     empty = [c for i, c in enumerate(classes) if i not in has_images]
     if empty and len(used) >= 2:
         # A class the model could never learn, which would also shift every label after it;
