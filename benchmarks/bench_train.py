@@ -108,6 +108,8 @@ def main():
         batch, size = map(int, c.split("x"))
         jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu)
         row = {"batch": batch, "size": size, "jax_img_s": jax_ips, "jax_compile_s": compile_s}
+        # Printed before torch runs: torch.compile's compile can outlast a GPU lease's time limit.
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if not args.skip_torch:
             row["torch_eager_img_s"] = bench_torch(batch, size, args.steps, args.warmup, args.gpu, False)
             if args.gpu:
