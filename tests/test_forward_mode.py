@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxport import models
+from jaxport import ConfigError, models
 
 
 @functools.cache
@@ -94,3 +94,32 @@ def test_folded_model_takes_the_switch(x64):
     want = jax.jvp(lambda xx: models.build("resnet18", num_classes=7, custom_vjps=False).apply(variables, xx),
                    (x,), (jnp.ones_like(x),))[1]
     np.testing.assert_allclose(np.asarray(tangent), np.asarray(want), rtol=1e-9, atol=1e-9)
+
+
+def test_default_follows_the_backend(monkeypatch):
+    # custom_vjps=None (the default) means the hand-written VJPs on XLA:CPU only: on XLA:GPU one
+    # of them makes jax 0.11.2 abort while compiling ResNet-50's training step, so there the
+    # default is jax's own rules, read from jax.default_backend() when the model is traced.
+    fast, plain, variables, x = _setup("resnet18", jnp.float32)
+    params, tangents = variables["params"], jax.tree.map(jnp.ones_like, variables["params"])
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(_loss(fast, variables, x, True), (params,), (tangents,))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    _, got = jax.jvp(_loss(fast, variables, x, True), (params,), (tangents,))
+    _, want = jax.jvp(_loss(plain, variables, x, True), (params,), (tangents,))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    folded = models.fold_batchnorm(variables, "resnet18")
+    jax.jvp(lambda xx: models.build_folded("resnet18", num_classes=7).apply(folded, xx), (x,), (jnp.ones_like(x),))
+    # An explicit True still means True, whatever the backend.
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.jvp(_loss(models.build("resnet18", num_classes=7, custom_vjps=True), variables, x, True),
+                (params,), (tangents,))
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.0])
+def test_custom_vjps_must_be_a_bool_or_none(value):
+    x = jnp.zeros((1, 16, 16, 3))
+    with pytest.raises(ConfigError, match=r"ResNet's `custom_vjps` \(=" + repr(value).replace(".", r"\.") + r"\) must be True"):
+        models.build("resnet18", num_classes=7, custom_vjps=value).init(jax.random.PRNGKey(0), x)
+    with pytest.raises(ConfigError, match=r"BatchNorm's `custom_vjps`"):
+        models.BatchNorm(custom_vjps=value).init(jax.random.PRNGKey(0), x, train=True)

@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ._grads import use_custom_vjps
+
 Dtype = Any
 
 
@@ -35,7 +37,8 @@ class BatchNorm(nn.Module):
       zero_scale: initialise `scale` to zeros (torchvision's `zero_init_residual`).
       param_dtype: dtype of `scale`, `bias`, `mean`, `var`.
       custom_vjps: differentiate per-device train mode with torch's backward formula (a
-        `jax.custom_vjp`, faster on XLA:CPU); False uses autodiff, so forward-mode AD works too.
+        `jax.custom_vjp`, faster on XLA:CPU); False uses autodiff, so forward-mode AD works too;
+        None (default): True when jax's default backend is the CPU, as `ResNet`'s.
     """
 
     momentum: float = 0.1
@@ -43,7 +46,7 @@ class BatchNorm(nn.Module):
     axis_name: str | None = None
     zero_scale: bool = False
     param_dtype: Dtype = jnp.float32
-    custom_vjps: bool = True
+    custom_vjps: bool | None = None
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -58,7 +61,7 @@ class BatchNorm(nn.Module):
 
         stat_dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
         xs = x.astype(stat_dtype)
-        if train and self.axis_name is None and self.custom_vjps:
+        if train and self.axis_name is None and use_custom_vjps(self.custom_vjps, "BatchNorm"):
             # Per-device statistics: the hand-written VJP below (torch's backward formula,
             # two reductions and one pass) instead of autodiff through mean and variance,
             # which XLA:CPU ran as more passes: ~5% of ResNet-50's training step.

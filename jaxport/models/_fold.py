@@ -15,6 +15,7 @@ import flax.linen as nn
 import numpy as np
 
 from .._errors import ConfigError
+from ._grads import use_custom_vjps
 from ._resnet import ARCHS, ResNet, _ConvLeaf, build
 
 
@@ -44,7 +45,7 @@ class FoldedResNet(ResNet):
 
     def _norm_and_conv(self) -> tuple[Callable, Callable]:
         return _NoNorm, functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype, use_bias=True,
-                                          custom_vjps=self.custom_vjps)
+                                          custom_vjps=use_custom_vjps(self.custom_vjps))
 
 
 def build_folded(arch: str, **kwargs) -> FoldedResNet:

@@ -12,6 +12,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from .._errors import ConfigError
+
+
+def use_custom_vjps(flag: bool | None, owner: str = "ResNet") -> bool:
+    """Resolve a model's `custom_vjps` attribute: None (the default) means on XLA:CPU only.
+
+    The VJPs here are XLA:CPU tuning. On XLA:GPU they buy nothing a user needs, and one of them
+    breaks the compiler: jax 0.11.2 on an H200 aborts the whole process while compiling
+    ResNet-50's training step (`triton_tiling_propagation.cc: Check failed:
+    subdim_size_accumulator == dim_size (784 vs. 56)` in Triton's GEMM fusion, most likely of the
+    strided 1x1 kernel-gradient dot), where jax's own rules compile and run at 6,343 img/s in bf16
+    (benchmarks/README.md). The backend is read when the model is traced, as `jax.jit` uses it.
+    """
+    if flag is None:
+        return jax.default_backend() == "cpu"
+    if not isinstance(flag, bool):
+        raise ConfigError(f"{owner}'s `custom_vjps` (={flag!r}) must be True, False or None "
+                          "(None: the hand-written VJPs on XLA:CPU, jax's own rules elsewhere)")
+    return flag
+
 
 def _flat(a: jax.Array) -> jax.Array:
     return a.reshape(-1, a.shape[-1])

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
-from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, strided_conv
+from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, strided_conv, use_custom_vjps
 
 Dtype = Any
 
@@ -225,12 +225,14 @@ class ResNet(nn.Module):
       param_dtype: dtype of freshly initialised parameters.
       bn_axis_name: mesh axis over which BatchNorm reduces batch statistics in train mode
         (SyncBatchNorm); None keeps statistics per device, as DDP without SyncBatchNorm.
-      custom_vjps: True (default) differentiates the convs, max-pool and train-mode BatchNorm
-        with jaxport's hand-written VJPs, which XLA:CPU runs much faster; as with any
+      custom_vjps: True differentiates the convs, max-pool and train-mode BatchNorm with
+        jaxport's hand-written VJPs, which XLA:CPU runs much faster; as with any
         `jax.custom_vjp`, forward-mode AD (`jax.jvp`, `jax.jacfwd`, `jax.hessian`,
         forward-over-reverse Hessian-vector products) then cannot go through the model. False
-        uses jax's own rules everywhere, so every transformation works. The outputs are the
-        same bit for bit either way; only the gradients' summation order differs.
+        uses jax's own rules everywhere, so every transformation works. None (default): True
+        when jax's default backend is the CPU at trace time, else False (on XLA:GPU, True
+        makes jax 0.11.2 abort while compiling the training step: `use_custom_vjps`). The
+        outputs are the same bit for bit either way; only the gradients' summation order differs.
     """
 
     block: str
@@ -243,7 +245,7 @@ class ResNet(nn.Module):
     dtype: Dtype | None = None
     param_dtype: Dtype = jnp.float32
     bn_axis_name: str | None = None
-    custom_vjps: bool = True
+    custom_vjps: bool | None = None
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -270,7 +272,7 @@ class ResNet(nn.Module):
         x = conv(64, 7, 2, name="conv1")(x)
         x = nn.relu(norm(name="bn1")(x, train))
         # torch's MaxPool2d pads with -inf, so padding never wins the max.
-        x = (max_pool if self.custom_vjps else max_pool_primal)(x, 3, 2, 1)
+        x = (max_pool if use_custom_vjps(self.custom_vjps) else max_pool_primal)(x, 3, 2, 1)
         self.sow("intermediates", "stem", x)
 
         inplanes, dilation = 64, 1
@@ -304,10 +306,10 @@ class ResNet(nn.Module):
 
     def _norm_and_conv(self) -> tuple[Callable, Callable]:
         """The BatchNorm and conv every layer is built from (a `FoldedResNet` swaps them)."""
+        custom = use_custom_vjps(self.custom_vjps)
         return (functools.partial(BatchNorm, axis_name=self.bn_axis_name, param_dtype=self.param_dtype,
-                                  custom_vjps=self.custom_vjps),
-                functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype,
-                                  custom_vjps=self.custom_vjps))
+                                  custom_vjps=custom),
+                functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype, custom_vjps=custom))
 
 
 def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]:
