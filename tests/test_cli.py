@@ -249,3 +249,13 @@ def test_console_script_is_installed():
         pytest.skip("jaxport is not installed in this interpreter (run through `make test`)")
     proc = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("jaxport ")
+
+
+@pytest.mark.parametrize("command", [[], ["port"], ["verify"], ["export"], ["env"], ["train"]])
+def test_help_is_clean(command, capsys):
+    # argparse %-formats only argument help, so a description's "%%" would reach the user as is.
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: jaxport") and "%%" not in out and "%(" not in out, out

@@ -22,7 +22,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD)",
         description="Train data-parallel over all devices. With no --data, trains on the handwritten digits "
-                    "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95%% held-out accuracy.",
+                    "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--data", default=None, help="ImageFolder directory (one sub-folder per class, or train/ and val/)")
     p.add_argument("--arch", default=d.arch, help="torchvision ResNet name")
