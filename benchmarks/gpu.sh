@@ -6,9 +6,10 @@
 #
 # It uses the machine's own python3 (its image has jax, flax, optax, orbax, torch, torchvision:
 # nothing is installed) and writes one log per benchmark under $OUT (or /tmp/gpu-bench). Each
-# step has its own time limit, so one hang cannot eat the whole lease: they add up to 530 s
+# step has its own time limit, so one hang cannot eat the whole lease: they add up to 550 s
 # (torch.compile's compiles are most of it). Budget the call with timeout_s=570 and give the
-# machine back after.
+# machine back after. On an H200 (2026-11-30) the whole script took 148 s, after a start-up of
+# about 30 s; figures in benchmarks/README.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-bench}
