@@ -119,7 +119,8 @@ def test_default_follows_the_backend(monkeypatch):
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])
 def test_custom_vjps_must_be_a_bool_or_none(value):
     x = jnp.zeros((1, 16, 16, 3))
-    with pytest.raises(ConfigError, match=r"ResNet's `custom_vjps` \(=" + repr(value).replace(".", r"\.") + r"\) must be True"):
+    message = r"ResNet's `custom_vjps` \(=" + repr(value).replace(".", r"\.") + r"\) must be True"
+    with pytest.raises(ConfigError, match=message):
         models.build("resnet18", num_classes=7, custom_vjps=value).init(jax.random.PRNGKey(0), x)
     with pytest.raises(ConfigError, match=r"BatchNorm's `custom_vjps`"):
         models.BatchNorm(custom_vjps=value).init(jax.random.PRNGKey(0), x, train=True)
