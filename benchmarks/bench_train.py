@@ -6,6 +6,8 @@ eager and torch.compile, channels_last, autocast bf16.
 
     python benchmarks/bench_train.py                      # CPU figures
     python benchmarks/bench_train.py --gpu --configs 256x224  # on a GPU machine
+    python benchmarks/bench_train.py --gpu --configs 256x224 --custom-vjps true --skip-torch
+        # the XLA:CPU-tuned VJPs on the GPU: jax 0.11.2 aborted compiling this (benchmarks/README.md)
 
 Prints one line per configuration and writes JSON to --out if given.
 """
@@ -27,12 +29,14 @@ def _parse():
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--gpu", action="store_true", help="bf16 on the accelerator; torch eager + compiled")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (CPU)")
+    p.add_argument("--custom-vjps", choices=["auto", "true", "false"], default="auto",
+                   help="the model's custom_vjps: auto (None, the default: on XLA:CPU only), true, false")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
 
-def bench_jax(batch, size, steps, warmup, bf16):
+def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -42,7 +46,7 @@ def bench_jax(batch, size, steps, warmup, bf16):
     from jaxport.train._optim import sgd
 
     mesh = make_mesh(jax.devices()[:1])
-    model = build("resnet50", num_classes=1000, dtype=jnp.bfloat16 if bf16 else None)
+    model = build("resnet50", num_classes=1000, dtype=jnp.bfloat16 if bf16 else None, custom_vjps=custom_vjps)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, size, size, 3)))
     tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     state = create_state(variables, tx, mesh)
@@ -106,8 +110,10 @@ def main():
     rows = []
     for c in configs:
         batch, size = map(int, c.split("x"))
-        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu)
-        row = {"batch": batch, "size": size, "jax_img_s": jax_ips, "jax_compile_s": compile_s}
+        custom_vjps = {"auto": None, "true": True, "false": False}[args.custom_vjps]
+        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps)
+        row = {"batch": batch, "size": size, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
+               "jax_compile_s": compile_s}
         # Printed before torch runs: torch.compile's compile can outlast a GPU lease's time limit.
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if not args.skip_torch:
