@@ -107,3 +107,16 @@ def test_one_step_float32(arch, opt):
     errors = _rel_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-4, (worst, errors[worst])
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
+def test_three_steps_float64_as_lowered_off_the_cpu(arch, monkeypatch):
+    # Off XLA:CPU the model lowers differently (every conv lax.conv, jax's own derivative rules:
+    # `jaxport.models._grads.on_xla_cpu`), since XLA:GPU aborted compiling the CPU-tuned form.
+    # That lowering is what a GPU trains with; here it runs on the CPU against torch.
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with jax.enable_x64(True):
+        got, want = _run(arch, "sgd", np.float64, steps=3)
+    errors = _rel_errors(got, want)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-8, (worst, errors[worst])

@@ -15,18 +15,24 @@ import jax.numpy as jnp
 from .._errors import ConfigError
 
 
-def use_custom_vjps(flag: bool | None, owner: str = "ResNet") -> bool:
-    """Resolve a model's `custom_vjps` attribute: None (the default) means on XLA:CPU only.
+def on_xla_cpu() -> bool:
+    """Whether the model is being traced for XLA:CPU (jax's default backend, as `jax.jit` uses).
 
-    The VJPs here are XLA:CPU tuning. On XLA:GPU they buy nothing a user needs, and one of them
-    breaks the compiler: jax 0.11.2 on an H200 aborts the whole process while compiling
-    ResNet-50's training step (`triton_tiling_propagation.cc: Check failed:
-    subdim_size_accumulator == dim_size (784 vs. 56)` in Triton's GEMM fusion, most likely of the
-    strided 1x1 kernel-gradient dot), where jax's own rules compile and run at 6,343 img/s in bf16
-    (benchmarks/README.md). The backend is read when the model is traced, as `jax.jit` uses it.
+    The CPU-tuned lowering (1x1 convs as dots over strided slices, the hand-written VJPs below)
+    is for XLA:CPU only. On XLA:GPU (jax 0.11.2, an H200) it breaks the compiler: Triton's GEMM
+    fusion aborts the whole process with a CHECK failure (`triton_tiling_propagation.cc: Check
+    failed: subdim_size_accumulator == dim_size`), compiling ResNet-50's training step with the
+    VJPs ("784 vs. 56") and, with the VJPs off, `jaxport train`'s ResNet-18 on the digits ("16 vs.
+    8"). With plain convolutions both trained: ResNet-50 at 5,868 img/s in bf16, the digits to
+    0.98 held-out (benchmarks/README.md).
     """
+    return jax.default_backend() == "cpu"
+
+
+def use_custom_vjps(flag: bool | None, owner: str = "ResNet") -> bool:
+    """Resolve a model's `custom_vjps` attribute: None (the default) means on XLA:CPU only."""
     if flag is None:
-        return jax.default_backend() == "cpu"
+        return on_xla_cpu()
     if not isinstance(flag, bool):
         raise ConfigError(f"{owner}'s `custom_vjps` (={flag!r}) must be True, False or None "
                           "(None: the hand-written VJPs on XLA:CPU, jax's own rules elsewhere)")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
-from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, strided_conv, use_custom_vjps
+from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, on_xla_cpu, strided_conv, use_custom_vjps
 
 Dtype = Any
 
@@ -109,13 +109,14 @@ class _ConvLeaf(nn.Module):
         )
         bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        if k == 1 and self.groups == 1:
+        if k == 1 and self.groups == 1 and on_xla_cpu():
             # A 1x1 conv is a matmul over channels of the strided input. XLA:CPU runs it about
             # 2x faster as a dot than as a convolution, forward and backward (ResNet-50's
-            # bottleneck and downsample layers); same products, summed in another order.
+            # bottleneck and downsample layers); same products, summed in another order. On
+            # XLA:GPU such dots made the compiler abort (`on_xla_cpu`): there, lax.conv below.
             s = self.stride
             y = (conv1x1 if self.custom_vjps else conv1x1_primal)(x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
-        elif self.stride > 1 and self.groups == 1 and self.dilation == 1 and self.custom_vjps:
+        elif k > 1 and self.stride > 1 and self.groups == 1 and self.dilation == 1 and self.custom_vjps:
             y = strided_conv(x, kernel, self.stride, pad)
         else:
             y = jax.lax.conv_general_dilated(
@@ -231,8 +232,9 @@ class ResNet(nn.Module):
         forward-over-reverse Hessian-vector products) then cannot go through the model. False
         uses jax's own rules everywhere, so every transformation works. None (default): True
         when jax's default backend is the CPU at trace time, else False (on XLA:GPU, True
-        makes jax 0.11.2 abort while compiling the training step: `use_custom_vjps`). The
+        makes jax 0.11.2 abort while compiling the training step: `on_xla_cpu`). The
         outputs are the same bit for bit either way; only the gradients' summation order differs.
+        Off the CPU, the 1x1 convs are `lax.conv` too (on the CPU, dots over channels).
     """
 
     block: str
