@@ -231,10 +231,11 @@ class ResNet(nn.Module):
         `jax.custom_vjp`, forward-mode AD (`jax.jvp`, `jax.jacfwd`, `jax.hessian`,
         forward-over-reverse Hessian-vector products) then cannot go through the model. False
         uses jax's own rules everywhere, so every transformation works. None (default): True
-        when jax's default backend is the CPU at trace time, else False (on XLA:GPU, True
-        makes jax 0.11.2 abort while compiling the training step: `on_xla_cpu`). The
-        outputs are the same bit for bit either way; only the gradients' summation order differs.
-        Off the CPU, the 1x1 convs are `lax.conv` too (on the CPU, dots over channels).
+        when jax's default backend is the CPU at trace time, else False (on XLA:GPU the
+        CPU-tuned form made jax 0.11.2 abort while compiling the training step: `on_xla_cpu`;
+        True there is untested). The outputs are the same bit for bit either way; only the
+        gradients' summation order differs. Off the CPU the 1x1 convs are `lax.conv` whatever
+        this says (on the CPU, dots over channels).
     """
 
     block: str
