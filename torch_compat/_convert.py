@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -202,10 +202,13 @@ def _check(
     entries: list[Entry],
     found_shapes: Mapping[str, tuple[int, ...]],
     key_of: str,
-    looks_like: str | None,
+    looks_like: Callable[[], str | None],
     what: str,
 ) -> None:
-    """Raise one ConversionError listing every missing, unexpected and wrong-shape key."""
+    """Raise one ConversionError listing every missing, unexpected and wrong-shape key.
+
+    `looks_like` says which architecture the weights are; it is only called to word the error.
+    """
     expected = {getattr(e, key_of): e for e in entries}
     missing = [k for k, e in expected.items() if k not in found_shapes and e.torch_key.rsplit(".", 1)[1] not in _OPTIONAL]
     unexpected = [k for k in found_shapes if k not in expected]
@@ -220,6 +223,7 @@ def _check(
     if not (missing or unexpected or wrong):
         return
     parts = [f"{what} do not fit {arch}"]
+    looks_like = looks_like()
     if looks_like and looks_like != arch:
         parts[0] += f": these weights look like {looks_like}, not {arch} (pass arch={looks_like!r} or --arch {looks_like})"
     for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)):
@@ -274,7 +278,7 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
             "with torch_compat.load_state_dict(path), or convert arrays with torch.from_numpy")
     shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "fc.weight", 0)))
-    _check(arch, entries, shapes, "torch_key", _looks_like(state_dict), "the state_dict's weights")
+    _check(arch, entries, shapes, "torch_key", lambda: _looks_like(state_dict), "the state_dict's weights")
     meta = [k for k, v in state_dict.items() if v.is_meta]
     if meta:  # every caller would copy the data (conversion, torchvision's load_state_dict)
         raise ConversionError(f"{len(meta)} tensors of the state_dict ({', '.join(meta[:3])}"
@@ -292,7 +296,7 @@ def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
     _spec(arch)
     shapes = {k: tuple(np.shape(v)) for k, v in flat.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "params/fc/kernel", 1)))
-    _check(arch, entries, shapes, "flax_key", _variables_look_like(flat), "the Flax variables")
+    _check(arch, entries, shapes, "flax_key", lambda: _variables_look_like(flat), "the Flax variables")
     return entries
 
 
