@@ -7,7 +7,8 @@ eager and torch.compile, channels_last, autocast bf16.
     python benchmarks/bench_train.py                      # CPU figures
     python benchmarks/bench_train.py --gpu --configs 256x224  # on a GPU machine
     python benchmarks/bench_train.py --gpu --configs 256x224 --custom-vjps true --skip-torch
-        # the XLA:CPU-tuned VJPs on the GPU: jax 0.11.2 aborted compiling this (benchmarks/README.md)
+        # the hand-written VJPs on the GPU, with its 1x1 convs as lax.conv: never run there
+        # (with the 1x1 convs as dots, as the model had them before, jax 0.11.2 aborted compiling)
 
 Prints one line per configuration and writes JSON to --out if given.
 """
@@ -30,7 +31,8 @@ def _parse():
     p.add_argument("--gpu", action="store_true", help="bf16 on the accelerator; torch eager + compiled")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (CPU)")
     p.add_argument("--custom-vjps", choices=["auto", "true", "false"], default="auto",
-                   help="the model's custom_vjps: auto (None, the default: on XLA:CPU only), true, false")
+                   help="the model's custom_vjps: auto (None, the default: on XLA:CPU only), true, false; "
+                        "the 1x1 convs are dots on XLA:CPU only, whatever this says")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args()
