@@ -85,7 +85,8 @@ _WORKDIR_FILES = ("checkpoints", "variables.safetensors", "metrics.jsonl", "trai
 
 
 def _check_output(out: Path, src: Path, what: str) -> None:
-    """Refuse an output path that would destroy the input, or that is a directory."""
+    """Refuse an output path that would destroy the input, that is a directory, or whose
+    directory cannot be made (a parent is a file): before any work, so a refusal costs nothing."""
     inside_run = src.is_dir() and any(
         out.resolve() == (src / name).resolve() or out.resolve().is_relative_to((src / name).resolve())
         for name in _WORKDIR_FILES)
@@ -94,25 +95,57 @@ def _check_output(out: Path, src: Path, what: str) -> None:
                           "choose another output path")
     if out.is_dir():
         raise ConfigError(f"`--out` (={out}) is a directory; pass a file path, e.g. {out / 'model.safetensors'}")
+    blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise ConfigError(f"`--out` (={out}) cannot be written: '{blocking}' is a file, not a directory; "
+                          "choose another output path")
 
 
-def _default_port_output(ckpt: Path) -> Path:
-    """`<name>.safetensors` in the current directory, never the checkpoint itself nor a file
-    that is not an earlier port (a torch .safetensors checkpoint must not be replaced by its port)."""
+def _port_source(out: Path) -> str | None:
+    """The checkpoint an existing jaxport variables file was ported from (its absolute path, or
+    its name for ports written before the path was recorded; '' when it does not say); None when
+    `out` is not a jaxport variables file at all."""
     from ._io import FORMAT, read_metadata
 
-    stem = ckpt.name.split(".")[0] or "variables"
+    try:
+        metadata = read_metadata(out)
+    except JaxportError:
+        return None
+    if metadata.get("format") != FORMAT:
+        return None
+    return metadata.get("source_path") or metadata.get("source", "")
+
+
+def _is_port_of(source: str, ckpt: Path) -> bool:
+    return source in ("", str(ckpt.resolve())) or (os.sep not in source and source == ckpt.name)
+
+
+def _refuse_overwrite(out: Path, force: bool, unless: str) -> None:
+    """A command never silently replaces a file it may not have written: an existing `out` is
+    replaced only with --force (`unless` says what else is replaced without it)."""
+    if out.exists() and not force:
+        raise ConfigError(f"`--out` (={out}) already exists{unless}; nothing was overwritten: choose another "
+                          "output path, or pass --force to replace it")
+
+
+def _default_port_output(ckpt: Path, force: bool) -> Path:
+    """`<checkpoint name without its extension>.safetensors` in the current directory. It never
+    replaces the checkpoint, a file that is not a jaxport port, or (without --force) the port of
+    another checkpoint: `a.epoch10.pth` and `a.epoch20.pth` get different names."""
+    stem = (ckpt.stem if ckpt.suffix else ckpt.name) or "variables"
     out = Path(stem + ".safetensors")
     if _same_file(out, ckpt) or ckpt.suffix == ".safetensors":
         out = Path(stem + ".flax.safetensors")
     if out.exists():
-        try:
-            ours = read_metadata(out).get("format") == FORMAT
-        except JaxportError:
-            ours = False
-        if not ours or _same_file(out, ckpt):
+        source = _port_source(out)
+        if _same_file(out, ckpt) or (source is None and not force):
             raise ConfigError(f"the default output '{out}' already exists and is not a jaxport variables file; "
-                              "pass --out to name the output (nothing was overwritten)")
+                              "nothing was overwritten: pass --out to name the output"
+                              + ("" if _same_file(out, ckpt) else ", or --force to replace it"))
+        if not _is_port_of(source, ckpt) and not force:
+            raise ConfigError(f"the default output '{out}' already exists and holds the port of '{source}', not of "
+                              f"'{ckpt.name}'; nothing was overwritten: pass --out to name the output, or --force "
+                              "to replace it")
     return out
 
 
@@ -138,8 +171,10 @@ def _cmd_port(args) -> int:
             ckpt = Path(args.checkpoint)
             print(f"checkpoint: {ckpt}")
         # Decided before any work, so a refused output costs nothing.
-        out = Path(args.out) if args.out else _default_port_output(ckpt)
+        out = Path(args.out) if args.out else _default_port_output(ckpt, args.force)
         _check_output(out, ckpt, "checkpoint")
+        if args.out and _port_source(out) is None:  # re-porting over an earlier port is the usual re-run
+            _refuse_overwrite(out, args.force, " and is not a jaxport variables file (an earlier port is replaced)")
         t0 = time.perf_counter()
         step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
         state_dict = _load_checkpoint(str(ckpt), args)
@@ -154,7 +189,8 @@ def _cmd_port(args) -> int:
               f"{_classes(detected, torch_compat.num_classes_of(state_dict))}, {len(state_dict)} tensors, "
               f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
         step("saving")
-        save_variables(out, variables, arch=detected, metadata={"source": ckpt.name})
+        save_variables(out, variables, arch=detected,
+                       metadata={"source": ckpt.name, "source_path": str(ckpt.resolve())})
         print(f"wrote: {out} ({_human(out.stat().st_size)}; loaded + converted in {t1 - t0:.2f} s)")
         ok = True
         if args.verify:
@@ -176,11 +212,17 @@ def _cmd_verify(args) -> int:
     if args.variables:
         variables = load_variables(args.variables)
         recorded = read_metadata(args.variables).get("arch")
-        held = torch_compat.detect_arch(state_dict)
-        if recorded and recorded != held and not arch:
-            raise ConfigError(f"'{args.variables}' holds {recorded} variables but '{args.checkpoint}' is a {held} "
-                              "checkpoint: verify compares a checkpoint with its own port")
-        arch = arch or recorded
+        held = arch or torch_compat.detect_arch(state_dict)
+        if not recorded:  # a file from elsewhere: its shapes say what it is
+            from torch_compat._convert import _variables_look_like
+            from ._io import flatten
+
+            recorded = _variables_look_like(flatten(variables))
+        if recorded and recorded != held:
+            other = f"--arch is {held}" if arch else f"'{args.checkpoint}' is a {held} checkpoint"
+            raise ConfigError(f"'{args.variables}' holds {recorded} variables but {other}: verify compares a "
+                              "checkpoint with its own port; pass the variables `jaxport port` wrote for it")
+        arch = held
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
@@ -200,6 +242,8 @@ def _cmd_export(args) -> int:
 
     src, out = Path(args.variables), Path(args.out)
     _check_output(out, src, "variables file" if not src.is_dir() else "training workdir")
+    # A torch file does not say who wrote it, so even an earlier export is kept without --force.
+    _refuse_overwrite(out, args.force, "")
     if src.is_dir():
         from .train import load_workdir
 
@@ -296,6 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory, "
                                  "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing output file that is not an earlier port of this checkpoint")
     loading(p)
     p.set_defaults(func=_cmd_port)
 
@@ -315,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=list(ARCHS), metavar="ARCH", help="architecture (default: recorded in the file)")
     p.add_argument("--out", required=True,
                    help="output file: torch.save format (.pt/.pth), or safetensors if it ends in .safetensors")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("env", help="versions, devices and known-bad combinations")

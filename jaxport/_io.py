@@ -109,6 +109,9 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
     Returns:
       The path written.
     """
+    if not isinstance(variables, Mapping):
+        raise TypeError(f"`variables` is {type(variables).__module__}.{type(variables).__qualname__}; expected Flax "
+                        "variables, nested dicts of arrays such as {'params': ..., 'batch_stats': ...}")
     path = Path(path)
     # not np.ascontiguousarray: it turns 0-d arrays (num_batches_tracked) into 1-d ones
     flat = {k: np.asarray(v, order="C") for k, v in flatten(variables).items()}
@@ -191,6 +194,12 @@ def _open(path: Path) -> tuple[dict, dict[str, str]]:
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
     except Exception as e:  # safetensors raises its own error type for every malformation
+        with path.open("rb") as fh:
+            head = fh.read(8)
+        if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip or legacy pickle
+            raise CheckpointError(
+                f"'{path}' is a torch checkpoint (torch.save), not a Flax variables file: port it first with "
+                f"`jaxport port {path}`, then pass the .safetensors file it writes") from e
         raise CheckpointError(
             f"variables file '{path}' is not a valid safetensors file ({e}); it may be truncated or "
             "not a variables file at all: re-create it with `jaxport port`"

@@ -169,7 +169,7 @@ def test_verify_refuses_a_port_of_another_architecture_in_one_line(tmp_path, res
     assert main(["verify", str(resnet18_checkpoint), str(r34)]) == 2
     _assert_one_line_error(capsys.readouterr().err, "holds resnet34 variables", "is a resnet18 checkpoint")
     assert main(["verify", str(resnet18_checkpoint), str(r34), "--arch", "resnet18"]) == 2
-    _assert_one_line_error(capsys.readouterr().err, "the Flax variables do not fit resnet18")
+    _assert_one_line_error(capsys.readouterr().err, f"'{r34}' holds resnet34 variables but --arch is resnet18")
     with pytest.raises(jaxport.ConversionError, match="look like resnet18, not resnet34"):
         torch_compat.cross_check(reference("resnet18").state_dict(), jaxport.load_variables(r34), arch="resnet34")
     for bad in ("nan", "-1", "0"):
@@ -259,3 +259,53 @@ def test_help_is_clean(command, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: jaxport") and "%%" not in out and "%(" not in out, out
+
+
+def test_port_and_export_never_replace_a_file_they_did_not_write(tmp_path, monkeypatch, capsys):
+    """Nothing is lost: `a.epoch10.pth` and `a.epoch20.pth` both defaulted to `a.safetensors`
+    (the second silently replaced the first's port), and an explicit `--out` replaced any file."""
+    monkeypatch.chdir(tmp_path)
+    sd = reference("resnet18").state_dict()
+    for epoch in (10, 20):
+        torch.save(sd, f"a.epoch{epoch}.pth")
+        assert main(["port", f"a.epoch{epoch}.pth"]) == 0
+        assert jaxport.read_metadata(f"a.epoch{epoch}.safetensors")["source"] == f"a.epoch{epoch}.pth"
+    Path("elsewhere").mkdir()
+    torch.save(sd, "elsewhere/a.epoch10.pth")  # the same name, another checkpoint
+    before = Path("a.epoch10.safetensors").read_bytes()
+    assert main(["port", "elsewhere/a.epoch10.pth"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "holds the port of", "--force")
+    assert Path("a.epoch10.safetensors").read_bytes() == before
+    assert main(["port", "a.epoch10.pth"]) == 0  # its own earlier port is replaced (a re-run)
+    assert main(["port", "elsewhere/a.epoch10.pth", "--force"]) == 0
+
+    torch.save(sd, "precious.pt")
+    precious = Path("precious.pt").read_bytes()
+    assert main(["port", "a.epoch20.pth", "--out", "precious.pt"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "`--out` (=precious.pt) already exists", "--force")
+    assert main(["export", "a.epoch20.safetensors", "--out", "precious.pt"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "`--out` (=precious.pt) already exists", "--force")
+    assert Path("precious.pt").read_bytes() == precious
+    assert main(["port", "a.epoch20.pth", "--out", "a.epoch10.safetensors"]) == 0  # a port over a port
+    assert main(["export", "a.epoch20.safetensors", "--out", "precious.pt", "--force"]) == 0
+    assert torch.equal(torch.load("precious.pt", weights_only=True)["fc.weight"], sd["fc.weight"])
+
+    Path("afile").write_text("")
+    assert main(["port", "a.epoch20.pth", "--out", "afile/x.safetensors"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "'afile' is a file, not a directory")
+
+
+def test_files_of_the_other_kind_are_named(tmp_path, resnet18_checkpoint, capsys):
+    """A torch checkpoint given as variables, a port given as a checkpoint, and a torch file
+    named .safetensors (torch.load read it as safetensors: 'truncated or corrupt')."""
+    port = tmp_path / "r18.safetensors"
+    assert main(["port", str(resnet18_checkpoint), "--out", str(port)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(resnet18_checkpoint), "--out", str(tmp_path / "x.pt")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "is a torch checkpoint (torch.save), not a Flax variables file",
+                           "jaxport port")
+    assert main(["port", str(port), "--out", str(tmp_path / "again.safetensors")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "is already a jaxport variables file", "jaxport export")
+    misnamed = tmp_path / "misnamed.safetensors"
+    shutil.copy(resnet18_checkpoint, misnamed)
+    assert main(["port", str(misnamed), "--out", str(tmp_path / "m.safetensors")]) == 0

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import pickle
+import re
 import struct
 import warnings
 import zipfile
@@ -472,3 +473,55 @@ def test_saving_as_cuda_nests_registers_once_and_validates():
     with pytest.raises(ConfigError, match="'cpu'"):
         with saving_as_cuda("cpu"):
             pass
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_a_torch_file_named_safetensors_loads_by_its_content(tmp_path, fmt):
+    """torch.load hands any path named *.safetensors to safetensors; the first bytes decide here."""
+    sd = tiny_net().state_dict()
+    path = save(sd, tmp_path / "weights.safetensors", fmt)
+    assert_same(load_state_dict(path), sd)
+    assert_same(load_state_dict(path, mmap=True), sd)
+
+
+class _DefinedInAScript(nn.Module):  # pickled under a module name the loader cannot import
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(2, 2)
+
+
+def test_a_trusted_load_of_a_class_that_cannot_be_imported_says_so(tmp_path):
+    """It was reported as 'truncated or corrupt; re-download it'."""
+    import sys
+
+    net, main_module = _DefinedInAScript(), sys.modules["__main__"]
+    _DefinedInAScript.__module__ = "__main__"  # as if saved from `python train.py`
+    main_module._DefinedInAScript = _DefinedInAScript
+    try:
+        path = tmp_path / "whole.pt"
+        torch.save(net, path)
+    finally:
+        _DefinedInAScript.__module__ = __name__
+        del main_module._DefinedInAScript
+    with pytest.raises(CheckpointError) as e:
+        load_state_dict(path, trusted=True)
+    one_line_error(e, path)
+    # (pytest's own __main__ module is named `pytest.__main__`; a script's is `__main__`)
+    assert re.search(r"class `\S*__main__\._DefinedInAScript` cannot be imported here", str(e.value)), str(e.value)
+    assert "re-download" not in str(e.value)
+
+
+def test_a_jaxport_variables_file_is_named_as_such(tmp_path):
+    import jaxport
+    import torch_compat
+
+    path = jaxport.save_variables(tmp_path / "port.safetensors", torch_compat.torch_to_flax(
+        torchvision.models.resnet18().state_dict()), arch="resnet18")
+    with pytest.raises(CheckpointError, match="is already a jaxport variables file.*jaxport export") as e:
+        load_state_dict(path)
+    one_line_error(e, path)
+
+
+def test_a_path_that_is_not_a_path_is_named():
+    with pytest.raises(CheckpointError, match="`path` is builtins.NoneType; expected the path of a checkpoint file"):
+        load_state_dict(None)

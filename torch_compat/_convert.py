@@ -117,6 +117,20 @@ def _spec(arch: str) -> ResNetSpec:
     return ARCHS[arch]
 
 
+def _require_state_dict(state_dict: Any) -> None:
+    """A state_dict is a mapping of names to tensors; name what was passed instead, and the fix."""
+    if isinstance(state_dict, Mapping):
+        return
+    if isinstance(state_dict, torch.nn.Module):
+        fix = "pass the model's weights, model.state_dict()"
+    elif isinstance(state_dict, (str, bytes)) or hasattr(state_dict, "__fspath__"):
+        fix = "read the file first: torch_compat.load_state_dict(path)"
+    else:
+        fix = "pass a dict of torch tensors, e.g. model.state_dict() or torch_compat.load_state_dict(path)"
+    raise ConversionError(f"`state_dict` is {type(state_dict).__module__}.{type(state_dict).__qualname__}, "
+                          f"not a mapping of names to tensors: {fix}")
+
+
 # --- architecture detection -------------------------------------------------------------------
 
 
@@ -131,6 +145,7 @@ def detect_arch(state_dict: Mapping[str, Any]) -> str:
       ConversionError: the keys are not a ResNet's, or the ResNet is not one of torchvision's
         named architectures (the message gives what was found).
     """
+    _require_state_dict(state_dict)
     keys = set(state_dict)
     if "conv1.weight" not in keys or "layer1.0.conv1.weight" not in keys:
         nested = [p for p in _prefixes(keys) if f"{p}conv1.weight" in keys and f"{p}layer1.0.conv1.weight" in keys]
@@ -268,6 +283,7 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
         architecture the weights look like when it is not `arch`; values that are not torch
         tensors, or meta tensors (a shape without data).
     """
+    _require_state_dict(state_dict)
     _spec(arch)
     not_tensors = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
@@ -284,7 +300,53 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
         raise ConversionError(f"{len(meta)} tensors of the state_dict ({', '.join(meta[:3])}"
                               f"{', ...' if len(meta) > 3 else ''}) are meta tensors, with a shape but no data: "
                               "materialise the model's weights before converting them")
+    _check_torch_dtypes(state_dict, entries)
     return entries
+
+
+# Weights keep their dtype through the port, so only dtypes a Flax ResNet computes in pass.
+_FLOAT_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                 torch.float64: "float64"}
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry]) -> None:
+    """Refuse tensors the port would corrupt or could not compute with, naming every key.
+
+    Quantized, sparse and float8 tensors have no numpy form (torch's `.numpy()` fails deep
+    inside the copy); integer or complex weights would convert silently and compute nonsense.
+    `num_batches_tracked` is an integer counter that becomes int32 (jax's default integer).
+    """
+    bad = []
+    for e in entries:
+        t = state_dict.get(e.torch_key)
+        if t is None:
+            continue
+        if e.flax_path[-1] == "num_batches_tracked":
+            if t.layout != torch.strided or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+                bad.append((e.torch_key, t, "an integer counter"))
+            elif t.numel() == 1 and not _INT32.min <= int(t) <= _INT32.max:
+                raise ConversionError(
+                    f"state_dict[{e.torch_key!r}] is {int(t)}, which does not fit int32, the dtype it becomes "
+                    "(jax's default integer), so the round trip could not be exact; the counter only matters "
+                    "to BatchNorm with momentum=None (torchvision's ResNets use 0.1): reset it, e.g. "
+                    f"state_dict[{e.torch_key!r}].zero_(), and port again")
+        elif t.layout != torch.strided or t.is_quantized or t.dtype not in _FLOAT_DTYPES:
+            bad.append((e.torch_key, t, "float16, bfloat16, float32 or float64"))
+    if not bad:
+        return
+    key, t, want = bad[0]
+    if t.is_quantized:
+        fix = "dequantize the model first (tensor.dequantize(), or convert the float model before quantizing it)"
+    elif t.layout != torch.strided:
+        fix = f"make them dense first (tensor.to_dense()); {t.layout} tensors cannot be ported"
+    elif want == "an integer counter":
+        fix = "save num_batches_tracked as torch's int64 counter"
+    else:
+        fix = "cast the weights to float32 first (tensor.float()) if the values are meant as weights"
+    others = f" ({len(bad)} such tensors: {', '.join(k for k, _, _ in bad[:4])}{', ...' if len(bad) > 4 else ''})"
+    raise ConversionError(f"state_dict[{key!r}] is {t.dtype}{'' if t.layout == torch.strided else f' ({t.layout})'}, "
+                          f"expected {want}{others if len(bad) > 1 else ''}: {fix}")
 
 
 def check_variables(variables: Mapping[str, Any], arch: str) -> list[Entry]:
@@ -297,6 +359,20 @@ def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
     shapes = {k: tuple(np.shape(v)) for k, v in flat.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "params/fc/kernel", 1)))
     _check(arch, entries, shapes, "flax_key", lambda: _variables_look_like(flat), "the Flax variables")
+    bad = []
+    for e in entries:
+        if e.flax_key not in flat:
+            continue
+        dtype = np.dtype(getattr(flat[e.flax_key], "dtype", np.asarray(flat[e.flax_key]).dtype))
+        counter = e.flax_path[-1] == "num_batches_tracked"
+        if np.issubdtype(dtype, np.integer) if counter else dtype.name in _FLOAT_DTYPES.values():
+            continue
+        bad.append((e.flax_key, dtype.name, "an integer" if counter else "float16, bfloat16, float32 or float64"))
+    if bad:
+        key, dtype, want = bad[0]
+        others = f" ({len(bad)} such arrays: {', '.join(k for k, _, _ in bad[:4])}{', ...' if len(bad) > 4 else ''})"
+        raise ConversionError(f"the Flax variable {key!r} is {dtype}, expected {want}{others if len(bad) > 1 else ''}: "
+                              "these are not a ResNet's variables as jaxport writes them; port the checkpoint again")
     return entries
 
 
@@ -418,6 +494,7 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
       >>> variables["params"]["conv1"]["kernel"].shape
       (7, 7, 3, 64)
     """
+    _require_state_dict(state_dict)
     arch = detect_arch(state_dict) if arch is None else arch
     entries = check_state_dict(state_dict, arch)
     # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
@@ -453,6 +530,9 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, 
     Raises:
       ConversionError: listing every missing, unexpected and wrong-shape variable.
     """
+    if not isinstance(variables, Mapping):
+        raise ConversionError(f"`variables` is {type(variables).__module__}.{type(variables).__qualname__}, not "
+                              "Flax variables: pass {'params': ..., 'batch_stats': ...}, e.g. jaxport.load_variables(path)")
     flat = flatten(variables)
     entries = _check_flat_variables(flat, arch)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()

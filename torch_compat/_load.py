@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from jaxport._errors import CheckpointError
+from jaxport._io import holds_variables
 
 # Keys under which training scripts store the weights, in the order they are looked up.
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
@@ -133,12 +135,20 @@ def load_state_dict(
       >>> sd["conv1.weight"].shape
       torch.Size([64, 3, 7, 7])
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"`path` is {type(path).__module__}.{type(path).__qualname__}; expected the path of a "
+                              "checkpoint file (a str or pathlib.Path)")
     shown = os.fspath(path)
     if prefix is not None and (not isinstance(prefix, str) or not prefix.strip(".")):
         raise CheckpointError(f"`prefix` (={prefix!r}) must name a submodule, e.g. 'encoder_q.' or 'backbone.body.'")
     kind = _sniff(shown)
     if kind == "safetensors":
         obj: Any = _load_safetensors(shown)
+        if obj and holds_variables(shown):  # `/` paths or jaxport's header: a port, not a state dict
+            raise CheckpointError(
+                f"'{shown}' is already a jaxport variables file (written by `jaxport port` or `jaxport train`), "
+                f"not a torch checkpoint: read it with jaxport.load_variables, or turn it back into a torch "
+                f"state_dict with `jaxport export {shown} --out model.pt`")
     else:
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip")
     where, sd = _select_state_dict(obj, shown, ema=ema)
@@ -249,11 +259,28 @@ def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
             # torch warns before refusing a TorchScript archive; the error below says it all.
             for noise in (".*TorchScript archive", "Detected pickle protocol"):
                 warnings.filterwarnings("ignore", message=noise, category=UserWarning)
-            if trusted:
-                obj = torch.load(shown, map_location="cpu", weights_only=False, mmap=mmap)
-            else:
-                with torch.serialization.safe_globals(_EXTRA_SAFE_GLOBALS):
-                    obj = torch.load(shown, map_location="cpu", weights_only=True, mmap=mmap)
+            with contextlib.ExitStack() as stack:
+                source: Any = shown
+                if shown.endswith(".safetensors"):
+                    # torch.load hands any path named *.safetensors to safetensors, whatever it
+                    # holds; the first bytes said torch.save, so give it the open file instead.
+                    source, mmap = stack.enter_context(open(shown, "rb")), False
+                if trusted:
+                    obj = torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
+                else:
+                    with torch.serialization.safe_globals(_EXTRA_SAFE_GLOBALS):
+                        obj = torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
+    except (AttributeError, ImportError) as e:
+        if not trusted:
+            raise CheckpointError(_corrupt_message(shown, kind, e)) from e
+        # A full unpickle imports the classes the file names; one is not importable here.
+        missing = re.search(r"Can't get attribute '([^']+)' on <module '([^']+)'", str(e))
+        name = f"{missing.group(2)}.{missing.group(1)}" if missing else getattr(e, "name", None) or str(e)
+        raise CheckpointError(
+            f"checkpoint '{shown}' pickles an object whose class `{name}` cannot be imported here ({type(e).__name__}); "
+            "a trusted load rebuilds the saved objects, so run it where that class is importable (its module on "
+            "sys.path; a class defined in a script's __main__ needs that script), or re-save the weights alone "
+            "with torch.save(model.state_dict(), path)") from e
     except pickle.UnpicklingError as e:
         if trusted:
             raise CheckpointError(_corrupt_message(shown, kind, e)) from e
