@@ -371,7 +371,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                         raise Interrupted(stops.signum, gstep, cfg.workdir)
                     break
                 row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
-                       "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[min(epoch, 9_999)]),
+                       "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[epoch]),
                        "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
                 row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
                 meta["epoch_sums"] = [0.0, 0.0, 0.0]

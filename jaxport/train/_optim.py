@@ -58,8 +58,12 @@ def _check_non_negative(**values) -> None:
     """torch.optim refuses negative values; NaN and inf are refused too (torch takes them and
     trains to NaN). Schedules (callables) are left to their own checks."""
     for name, value in values.items():
-        if not callable(value) and not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"`{name}` (={value}) must be a finite number >= 0")
+        if callable(value):
+            continue
+        number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= 0):
+            schedule = " or a schedule (step -> lr)" if name == "learning_rate" else ""
+            raise ConfigError(f"`{name}` (={value!r}) must be a finite number >= 0{schedule}")
 
 
 def sgd(
@@ -68,6 +72,8 @@ def sgd(
     dampening: float = 0.0,
     weight_decay: float = 0.0,
     nesterov: bool = False,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformation:
     """`torch.optim.SGD` as an optax transformation, update for update.
 
@@ -79,7 +85,12 @@ def sgd(
 
     Args:
       learning_rate: a float or an optax schedule (step -> lr), e.g. `step_lr(...)`.
-      momentum, dampening, weight_decay, nesterov: as torch.optim.SGD.
+      momentum, dampening, weight_decay, nesterov, maximize: as torch.optim.SGD (maximize
+        ascends: the gradient is negated before weight decay, as torch does).
+
+    A parameter that torch leaves alone because its `.grad` is None (unused in that step) has a
+    zero gradient in JAX, so weight decay and momentum still move it; a ResNet uses every
+    parameter every step, so its training is unaffected.
 
     Raises:
       ConfigError: for the combinations torch refuses (nesterov without momentum or with
@@ -94,7 +105,7 @@ def sgd(
             f"nesterov momentum needs `momentum` > 0 and `dampening` == 0 (got momentum={momentum}, "
             f"dampening={dampening}), as torch.optim.SGD; set nesterov=False or fix them"
         )
-    parts = []
+    parts = [optax.scale(-1.0)] if maximize else []
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     if momentum:
@@ -112,13 +123,15 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 1e-2,
     amsgrad: bool = False,
+    *,
+    maximize: bool = False,
 ) -> optax.GradientTransformation:
     """`torch.optim.AdamW` (torch's defaults) as an optax transformation.
 
     optax's `scale_by_adam` is torch's Adam step (bias-corrected moments, `eps` added after the
     square root); decoupled decay `p -= lr * wd * p` equals torch's `p *= 1 - lr * wd` followed
     by the Adam step, since both use the parameter before the step. Every parameter is decayed,
-    as torch does by default.
+    as torch does by default. `maximize=True` ascends: torch negates the gradient first.
 
     Raises:
       ConfigError: `amsgrad=True` (not reproduced), out-of-range betas, or what torch refuses
@@ -127,10 +140,14 @@ def adamw(
     _check_non_negative(learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     if amsgrad:
         raise ConfigError("`amsgrad` (=True) is not supported; use amsgrad=False")
-    b1, b2 = betas
+    try:
+        b1, b2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ConfigError(f"`betas` (={betas!r}) must be two numbers (beta1, beta2), e.g. (0.9, 0.999)") from None
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ConfigError(f"`betas` (={betas}) must both be in [0, 1)")
     return optax.chain(
+        *([optax.scale(-1.0)] if maximize else []),  # torch negates the gradient first
         optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
@@ -140,64 +157,112 @@ def adamw(
 # ---------------------------------------------------------------------------------------------
 # Schedules. Each returns an optax schedule `count -> lr`, where count is the number of times
 # torch's `scheduler.step()` has been called (epochs when stepped per epoch; wrap with
-# `per_epoch` to drive it from the optimizer's step count). Values past `horizon` hold the last.
+# `per_epoch` to drive it from the optimizer's step count).
+#
+# torch computes most schedules recursively from the previous lr, so each schedule runs torch's
+# recursion once in Python floats and looks the value up by step. The table covers every value
+# the schedule can take (StepLR: one entry per decay; MultiStepLR: one per milestone; LinearLR:
+# the warm-up, then it is constant), so any step count is exact. Only where a table would be
+# unbounded is a closed form used past it, equal to torch's recursion within rounding:
+# CosineAnnealingLR past max(T_max, 10,000) steps, and StepLR past 100,000 decays.
+
+_COSINE_EXACT = 10_000
+_MAX_DECAYS = 100_000
 
 
-def _table(values: Sequence[float]) -> Schedule:
+def _lookup(values: Sequence[float], index: Callable[[jax.Array], jax.Array],
+            beyond: Callable[[jax.Array, jax.Array], jax.Array] | None = None) -> Schedule:
+    """A schedule reading `values[index(count)]`; past the table's end `beyond(count, value)`
+    (default: the last value holds)."""
     table = np.asarray(values, np.float64)
 
     def schedule(count):
-        idx = jnp.clip(jnp.asarray(count), 0, len(table) - 1)
-        return jnp.asarray(table, dtype=jnp.result_type(float))[idx]
+        count = jnp.asarray(count)
+        i = index(count)
+        value = jnp.asarray(table, dtype=jnp.result_type(float))[jnp.clip(i, 0, len(table) - 1)]
+        if beyond is None:
+            return value
+        return jnp.where(i < len(table), value, beyond(count, value))
 
     schedule.table = table  # the exact Python-float values, for inspection and tests
     return schedule
 
 
-def _check_horizon(horizon: int) -> None:
-    if horizon < 1:
-        raise ConfigError(f"`horizon` (={horizon}) must be >= 1")
+def _check_base_lr(base_lr: float) -> None:
+    if not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool) or not (math.isfinite(base_lr) and base_lr >= 0):
+        raise ConfigError(f"`base_lr` (={base_lr!r}) must be a finite number >= 0, as torch.optim's learning rate")
 
 
-def step_lr(base_lr: float, step_size: int, gamma: float = 0.1, *, horizon: int = 10_000) -> Schedule:
-    """torch's `StepLR(step_size, gamma)`: `lr *= gamma` every `step_size` steps."""
-    if step_size < 1:
-        raise ConfigError(f"`step_size` (={step_size}) must be >= 1")
-    _check_horizon(horizon)
-    lrs, lr = [], base_lr
-    for t in range(horizon):
-        if t > 0 and t % step_size == 0:
-            lr = lr * gamma
+def _whole(name: str, value, minimum: int) -> int:
+    """An int (or an integral float) >= minimum; torch's schedulers compare steps with ==, so a
+    fractional value would silently never be reached."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != int(value) \
+            or value < minimum:
+        raise ConfigError(f"`{name}` (={value!r}) must be a whole number >= {minimum}")
+    return int(value)
+
+
+def step_lr(base_lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
+    """torch's `StepLR(step_size, gamma)`: `lr *= gamma` every `step_size` steps.
+
+    Exact at every step: one table entry per decay (torch's repeated multiplication), until the
+    lr stops changing (it reaches 0, or gamma is 1) or for 100,000 decays, past which it goes on
+    as `lr * gamma ** k`, equal within rounding.
+    """
+    _check_base_lr(base_lr)
+    step_size = _whole("step_size", step_size, 1)
+    lrs = [base_lr]
+    while len(lrs) <= _MAX_DECAYS:
+        lr = lrs[-1] * gamma
+        if lr == lrs[-1] or not math.isfinite(lr):
+            break
         lrs.append(lr)
-    return _table(lrs)
+    # gamma == 1 or 0 converge at once; gamma > 1 overflows: past the table the last value holds.
+    if len(lrs) <= _MAX_DECAYS:
+        return _lookup(lrs, lambda count: count // step_size)
+    return _lookup(lrs, lambda count: count // step_size,
+                   lambda count, last: last * jnp.asarray(gamma, last.dtype) ** (count // step_size - _MAX_DECAYS))
 
 
-def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1, *, horizon: int = 10_000) -> Schedule:
-    """torch's `MultiStepLR(milestones, gamma)`: `lr *= gamma ** k` at a milestone listed k times."""
-    _check_horizon(horizon)
+def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) -> Schedule:
+    """torch's `MultiStepLR(milestones, gamma)`: `lr *= gamma ** k` at a milestone listed k times.
+
+    Exact at every step (one table entry per distinct milestone). Milestones must be whole
+    numbers: torch never reaches a fractional one, which is almost always a mistake.
+    """
+    _check_base_lr(base_lr)
+    if isinstance(milestones, (str, bytes)) or not hasattr(milestones, "__iter__"):
+        raise ConfigError(f"`milestones` (={milestones!r}) must be a list of steps, e.g. [30, 60, 90]")
     counts: dict[int, int] = {}
     for m in milestones:
-        counts[int(m)] = counts.get(int(m), 0) + 1
-    lrs, lr = [], base_lr
-    for t in range(horizon):
-        if t in counts:
-            lr = lr * gamma ** counts[t]
-        lrs.append(lr)
-    return _table(lrs)
+        m = _whole("milestones", m, -(2**62))
+        if m >= 0:  # torch's step count never goes below 0: a negative milestone never fires
+            counts[m] = counts.get(m, 0) + 1
+    at = sorted(counts)
+    lrs = [base_lr]
+    for m in at:
+        lrs.append(lrs[-1] * gamma ** counts[m])
+    if not at:
+        return _lookup(lrs, lambda count: jnp.zeros_like(count))
+    edges = np.asarray(at, np.int64)
+    # int32 without x64: a milestone past 2**31 steps is never reached by optax's int32 count
+    edges = np.minimum(edges, np.iinfo(np.int32).max)
+    return _lookup(lrs, lambda count: jnp.searchsorted(jnp.asarray(edges, count.dtype), count, side="right"))
 
 
-def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0, *, horizon: int = 10_000) -> Schedule:
+def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Schedule:
     """torch's `CosineAnnealingLR(T_max, eta_min)` with its recursive update, value for value.
 
     torch does not evaluate `eta_min + (base - eta_min) (1 + cos(pi t / T_max)) / 2` but a
     recursion on the previous lr (and a special rise at `t - 1 - T_max = 0 mod 2 T_max`); the
-    two differ in the last bits and past `T_max`. This runs torch's recursion.
+    two differ in the last bits and past `T_max`. This runs torch's recursion for the first
+    max(T_max, 10,000) + 1 steps, exactly; past them (only reached beyond T_max, where torch's
+    lr rises again) it evaluates that closed form, which torch's recursion follows within rounding.
     """
-    if t_max < 1:
-        raise ConfigError(f"`t_max` (={t_max}) must be >= 1")
-    _check_horizon(horizon)
+    _check_base_lr(base_lr)
+    t_max = _whole("t_max", t_max, 1)
     lrs, lr = [], base_lr
-    for t in range(horizon):
+    for t in range(max(t_max, _COSINE_EXACT) + 1):
         if t == 0:
             lr = base_lr
         elif (t - 1 - t_max) % (2 * t_max) == 0:
@@ -205,30 +270,36 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0, *, hor
         else:
             lr = (1 + math.cos(math.pi * t / t_max)) / (1 + math.cos(math.pi * (t - 1) / t_max)) * (lr - eta_min) + eta_min
         lrs.append(lr)
-    return _table(lrs)
+
+    def closed_form(count, last):
+        phase = jnp.mod(count, 2 * t_max).astype(last.dtype) / t_max  # the period is 2 T_max
+        # (1 + cos(pi p)) / 2 as cos(pi p / 2)^2: no cancellation near the minimum (float32)
+        return eta_min + (base_lr - eta_min) * jnp.cos(jnp.pi / 2 * phase) ** 2
+
+    return _lookup(lrs, lambda count: count, closed_form)
 
 
-def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
-                  *, horizon: int = 10_000) -> Schedule:
+def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.0 / 3,
+                  end_factor: float = 1.0) -> Schedule:
     """torch's `LinearLR(start_factor, end_factor, total_iters)`: linear warm-up, recursively.
 
-    Combine with a decay the way torch's `SequentialLR` does, with
-    `optax.join_schedules([linear_warmup(...), cosine_annealing_lr(...)], [total_iters])`.
+    Exact at every step: the lr is constant after `total_iters` (with `total_iters=0`, at
+    `start_factor * base_lr`, as torch). Combine with a decay the way torch's `SequentialLR`
+    does, with `optax.join_schedules([linear_warmup(...), cosine_annealing_lr(...)], [total_iters])`.
     """
+    _check_base_lr(base_lr)
     if not (0 < start_factor <= 1 and 0 <= end_factor <= 1):
         raise ConfigError(f"`start_factor` (={start_factor}) must be in (0, 1] and `end_factor` (={end_factor}) in [0, 1]")
-    if total_iters < 1:
-        raise ConfigError(f"`total_iters` (={total_iters}) must be >= 1")
-    _check_horizon(horizon)
+    total_iters = _whole("total_iters", total_iters, 0)
     lrs, lr = [], base_lr
-    for t in range(horizon):
+    for t in range(total_iters + 1):
         if t == 0:
             lr = base_lr * start_factor
-        elif t <= total_iters:
+        else:
             d = end_factor - start_factor
             lr = lr * (1.0 + d / (total_iters * start_factor + (t - 1) * d))
         lrs.append(lr)
-    return _table(lrs)
+    return _lookup(lrs, lambda count: count)
 
 
 def per_epoch(schedule: Schedule, steps_per_epoch: int) -> Schedule:
