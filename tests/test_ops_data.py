@@ -6,6 +6,10 @@ import numpy as np
 import torch
 
 FLOAT_POOL = np.array([-np.inf, -2.5, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, np.inf, np.nan, -np.nan], np.float32)
+# Subnormals of each dtype: XLA:CPU flushes them to zero in float compares, so an order built
+# on `x == 0` merged them with 0.0 (torch orders them).
+SUBNORMALS = {"float32": [1e-45, -1e-45, 3e-42, -1e-40], "float16": [6e-8, -6e-8, 3e-5, -1.2e-7],
+              "bfloat16": [1e-39, -1e-39, 5e-40, -9e-41]}
 
 TORCH_DTYPE = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -25,6 +29,8 @@ def tricky(shape, dtype: str, seed: int = 0) -> np.ndarray:
         # Some distinct values too, so not every element is tied.
         distinct = rng.random(shape) < 0.5
         x = np.where(distinct, rng.standard_normal(shape).astype(np.float32), x)
+        tiny = rng.random(shape) < 0.1
+        x = np.where(tiny, rng.choice(np.array(SUBNORMALS[dtype], np.float32), size=shape), x)
         return x.astype(np_dtype(dtype))
     if dtype == "bool":
         return rng.random(shape) < 0.5

@@ -132,3 +132,23 @@ def test_default_threshold_sends_small_inputs_to_the_shifted_path(monkeypatch):
 
     assert has_cond((32, 8732)) and has_cond((32, 1024))
     assert not has_cond((4, 64)) and not has_cond((32, 256))
+
+
+def test_gradient_of_inf_and_nan_slices_equals_torch():
+    """The one-pass path's JVP shifted a +inf slice by 0, giving exp(a) (inf, e, 1, ...) where
+    torch's softmax gives NaN at the inf and 0 elsewhere; a NaN slice gave finite entries."""
+    x = np.zeros((3, 6), np.float32)
+    x[:, 1] = 1.0
+    x[0, 0], x[1, 0] = np.inf, np.nan
+    got = np.asarray(jax.grad(lambda v: logsumexp(v, axis=1).sum())(jnp.asarray(x)))
+    t = torch.from_numpy(x).requires_grad_()
+    torch.logsumexp(t, 1).sum().backward()
+    np.testing.assert_allclose(got, t.grad.numpy(), rtol=1e-6)  # NaNs in the same places
+    assert np.isnan(got[0, 0]) and (got[0, 1:] == 0).all() and np.isnan(got[1]).all()
+
+
+def test_a_0d_array_takes_axis_0_or_minus_1_as_torch():
+    for axis in (0, -1):
+        assert float(logsumexp(jnp.asarray(2.0), axis=axis)) == torch.logsumexp(torch.tensor(2.0), axis).item() == 2.0
+    with pytest.raises(ConfigError, match=r"`axis` \(=1\) cannot index a 0-d array, which has no axes; pass axis=None"):
+        logsumexp(jnp.asarray(2.0), axis=1)

@@ -159,3 +159,24 @@ def test_masked_loss_is_differentiable_through_the_mask(method):
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(f))(loss)), [[1, 0, 0, 1], [0, 1, 1, 0]])
     g = jax.grad(lambda x: jnp.sum(jnp.where(hard_negative_mask(x, x > 4.5, 1), x, 0.0)))(loss)
     np.testing.assert_array_equal(np.asarray(g), [[1, 0, 0, 0], [0, 0, 0, 0]])
+
+
+def test_hard_negative_mask_with_a_huge_ratio_takes_every_negative():
+    """ratio * num_positive overflowed int32: 2**30 * 2 selected nothing, 2**31 raised."""
+    loss = jnp.array([[0.1, 2.0, 0.5, 3.0, 0.2]])
+    positive = jnp.array([[True, True, False, False, False]])
+    for ratio in (2, 2**30, 2**31, 10**20):
+        np.testing.assert_array_equal(np.asarray(hard_negative_mask(loss, positive, ratio)), [[0, 0, 1, 1, 1]])
+    np.testing.assert_array_equal(np.asarray(hard_negative_mask(loss, positive, 1)), [[0, 0, 1, 1, 0]])
+    with pytest.raises(ConfigError, match=r"`neg_pos_ratio` \(=True\) must be a non-negative int"):
+        hard_negative_mask(loss, positive, True)
+
+
+@pytest.mark.parametrize("method", ["host", "xla"])
+def test_wide_integer_k_arrays_are_clamped_before_jax_narrows_them(method):
+    """Without x64 jax casts an int64 / uint64 k array to int32: 2**32 + 1 became 1."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4)), jnp.float32)
+    for k in (np.array([2**32 + 1, 2**31, 3], np.int64), np.array([2**32, 2**63, 3], np.uint64),
+              np.array([2**31, 2**32 - 1, 3], np.uint32)):
+        got = topk_mask_impl(x, k, -1, True, method=method)
+        np.testing.assert_array_equal(np.asarray(got).sum(axis=-1), [4, 4, 3])

@@ -32,6 +32,8 @@ def normalize_axes(axis, ndim: int, name: str = "axis") -> tuple[int, ...]:
             a = operator.index(a)
         except TypeError:
             raise ConfigError(f"`{name}` (={axis!r}) must be None, an int or a tuple of ints") from None
+        if ndim == 0:
+            raise ConfigError(f"`{name}` (={axis!r}) cannot index a 0-d array, which has no axes; pass {name}=None")
         if not -ndim <= a < ndim:
             raise ConfigError(
                 f"`{name}` (={axis!r}) is out of range for an array with {ndim} dimension(s); "

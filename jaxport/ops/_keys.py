@@ -38,16 +38,31 @@ def order_key(x: jnp.ndarray, descending: bool = False) -> jnp.ndarray:
     kdt = key_dtype(x.dtype)
     bits = kdt.itemsize * 8
     sign = np.array(1 << (bits - 1), kdt)
-    if jnp.issubdtype(x.dtype, jnp.floating):
-        # float16 and bfloat16 widen exactly to float32, which keeps their order.
-        fdt = jnp.float64 if bits == 64 else jnp.float32
-        x = x.astype(fdt)
-        # -0.0 -> +0.0 and every NaN -> one canonical NaN, so equal values get equal keys.
-        x = jnp.where(x == 0, jnp.zeros((), fdt), x)
-        x = jnp.where(jnp.isnan(x), jnp.full((), jnp.nan, fdt), x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and np.dtype(x.dtype).itemsize == 1:
+        # float8 formats (some without inf or -0.0): widened exactly to float32; a float32
+        # subnormal cannot come out of them, so the compares below are safe.
+        x = x.astype(jnp.float32)
+        x = jnp.where(x == 0, jnp.zeros((), jnp.float32), x)
+        x = jnp.where(jnp.isnan(x), jnp.full((), jnp.nan, jnp.float32), x)
         u = lax.bitcast_convert_type(x, kdt)
-        # Negative floats: flip all bits (larger magnitude -> smaller key); positive: flip sign.
         key = jnp.where((u & sign) != 0, ~u, u | sign)
+    elif jnp.issubdtype(x.dtype, jnp.floating):
+        # Only bit operations: XLA:CPU flushes subnormals to zero in float compares and
+        # conversions, so `x == 0` would merge every subnormal with 0.0 (torch orders them).
+        width = np.dtype(x.dtype).itemsize * 8
+        udt = {16: np.uint16, 32: np.uint32, 64: np.uint64}[width]
+        u = lax.bitcast_convert_type(x, udt)
+        top = np.array(1 << (width - 1), udt)
+        magnitude = u & ~top
+        inf = lax.bitcast_convert_type(jnp.array(np.inf, x.dtype), udt)
+        # -0.0 -> +0.0 and every NaN -> one canonical NaN (+, above +inf), so equal values get
+        # equal keys.
+        u = jnp.where(magnitude == 0, jnp.zeros((), udt), u)
+        u = jnp.where(magnitude > inf, inf + np.array(1, udt), u)
+        # Negative floats: flip all bits (larger magnitude -> smaller key); positive: flip sign.
+        key = jnp.where((u & top) != 0, ~u, u | top)
+        if width < bits:  # 16-bit floats: the same order, in the wider key
+            key = key.astype(kdt)
     elif x.dtype == jnp.bool_ or jnp.issubdtype(x.dtype, jnp.unsignedinteger):
         key = x.astype(kdt)
     else:

@@ -81,7 +81,8 @@ def logsumexp(
     # Half precision accumulates in float32 (as torch's CPU and GPU kernels do).
     work = jnp.float32 if np.dtype(out_dtype).itemsize < 4 else out_dtype
     a = a.astype(work)
-    dims = normalize_axes(axis, a.ndim)
+    # A 0-d array accepts axis 0 / -1 (reducing nothing), as torch.logsumexp and scipy do.
+    dims = () if a.ndim == 0 and axis in (0, -1, (0,), (-1,)) else normalize_axes(axis, a.ndim)
     if b is not None:
         b = jnp.asarray(b).astype(work)
         b = _broadcast(b, a.shape, "b")
@@ -142,8 +143,10 @@ def _lse_one_pass(a: jax.Array, dims: tuple[int, ...]) -> jax.Array:
 def _lse_one_pass_jvp(dims, primals, tangents):
     (a,), (t,) = primals, tangents
     out = _lse_one_pass(a, dims)
-    # d out = sum(softmax(a) * da); an all -inf slice has out = -inf and softmax 0 (not NaN).
-    shift = jnp.where(jnp.isfinite(out), out, jnp.zeros((), out.dtype))
+    # d out = sum(softmax(a) * da) with softmax = exp(a - out). An all -inf slice has out = -inf
+    # and softmax 0 (not NaN); a +inf slice keeps out = +inf (softmax NaN at the inf, 0 elsewhere,
+    # as torch and the shifted path); NaN stays NaN.
+    shift = jnp.where(out == -jnp.inf, jnp.zeros((), out.dtype), out)
     return out, jnp.sum(jnp.exp(a - shift) * t, axis=dims, keepdims=True)
 
 

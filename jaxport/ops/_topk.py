@@ -126,14 +126,22 @@ def hard_negative_mask(
             f"{loss.shape}; pass one bool per loss entry"
         ) from None
     try:
-        ratio = operator.index(neg_pos_ratio)
+        ratio = -1 if isinstance(neg_pos_ratio, (bool, np.bool_)) else operator.index(neg_pos_ratio)
     except TypeError:
         ratio = -1
     if ratio < 0:
         raise ConfigError(f"`neg_pos_ratio` (={neg_pos_ratio!r}) must be a non-negative int, e.g. 3")
     n = loss.shape[axis]
     num_pos = jnp.sum(positive, axis=axis, dtype=jnp.int32)
-    k = jnp.minimum(ratio * num_pos, n - num_pos)
+    # k = min(ratio * num_pos, n - num_pos) without int32 overflow: a ratio above n already
+    # takes every non-positive once there is one positive, and ratio * num_pos > rest exactly
+    # when num_pos > rest // ratio.
+    ratio = min(ratio, max(n, 1))
+    rest = n - num_pos
+    if ratio == 0:
+        k = jnp.zeros_like(num_pos)
+    else:
+        k = jnp.where(num_pos > rest // ratio, rest, ratio * num_pos)
     key = order_key(loss, descending=True)
     # Positives get a key above every float's key, so they rank after all non-positives.
     key = jnp.where(positive, jnp.array(np.iinfo(key.dtype).max, key.dtype), key)
@@ -152,6 +160,10 @@ def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
     if isinstance(k, (int, np.integer)):
         k = min(max(int(k), 0), n)
         return jnp.full(batch_shape, k, jnp.int32)
+    if isinstance(k, np.ndarray) and (k.dtype.itemsize > 4 or k.dtype == np.uint32):
+        # Clamp before jax sees it: without x64 jax casts int64 / uint64 / uint32 to int32,
+        # wrapping 2**32 + 1 to 1.
+        k = np.clip(k, 0, n).astype(np.int32)
     k = jnp.asarray(k)
     try:
         k = jnp.broadcast_to(k, batch_shape)
