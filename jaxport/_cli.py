@@ -128,11 +128,17 @@ def _refuse_overwrite(out: Path, force: bool, unless: str) -> None:
                           "output path, or pass --force to replace it")
 
 
+_CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+
 def _default_port_output(ckpt: Path, force: bool) -> Path:
-    """`<checkpoint name without its extension>.safetensors` in the current directory. It never
+    """`<checkpoint name without its extension(s)>.safetensors` in the current directory. It never
     replaces the checkpoint, a file that is not a jaxport port, or (without --force) the port of
     another checkpoint: `a.epoch10.pth` and `a.epoch20.pth` get different names."""
-    stem = (ckpt.stem if ckpt.suffix else ckpt.name) or "variables"
+    stem = ckpt.stem if ckpt.suffix else ckpt.name
+    if Path(stem).suffix in _CHECKPOINT_SUFFIXES:  # model_best.pth.tar -> model_best
+        stem = Path(stem).stem
+    stem = stem or "variables"
     out = Path(stem + ".safetensors")
     if _same_file(out, ckpt) or ckpt.suffix == ".safetensors":
         out = Path(stem + ".flax.safetensors")

@@ -290,6 +290,10 @@ def test_port_and_export_never_replace_a_file_they_did_not_write(tmp_path, monke
     assert main(["export", "a.epoch20.safetensors", "--out", "precious.pt", "--force"]) == 0
     assert torch.equal(torch.load("precious.pt", weights_only=True)["fc.weight"], sd["fc.weight"])
 
+    torch.save(sd, "model_best.pth.tar")
+    assert main(["port", "model_best.pth.tar"]) == 0
+    assert jaxport.read_metadata("model_best.safetensors")["source"] == "model_best.pth.tar"
+
     Path("afile").write_text("")
     assert main(["port", "a.epoch20.pth", "--out", "afile/x.safetensors"]) == 2
     _assert_one_line_error(capsys.readouterr().err, "'afile' is a file, not a directory")
