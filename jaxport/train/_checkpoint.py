@@ -1,8 +1,8 @@
 """Orbax checkpoints of a training run: atomic, the last few kept, exact resume.
 
 A checkpoint is `WORKDIR/checkpoints/<step>/` with two items: `state` (the whole TrainState:
-step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, seed, epoch
-accumulators). Orbax writes into a temporary directory and renames it when complete, so a
+step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, classes, seed,
+batch size, image size, epoch accumulators). Orbax writes into a temporary directory and renames it when complete, so a
 run killed mid-save leaves no half-written step; unfinished temporaries are ignored.
 The data order and augmentation are functions of `(seed, epoch, index)`, so the step number
 and the seed are the whole RNG state.
@@ -79,6 +79,28 @@ def _unreadable(path: str, step: int, err: Exception, steps: list[int]) -> Check
     return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: {first[:200]}); {fix}")
 
 
+def _where(mngr: ocp.CheckpointManager) -> str:
+    return mngr.directory.as_posix() if hasattr(mngr.directory, "as_posix") else str(mngr.directory)
+
+
+def latest_meta(mngr: ocp.CheckpointManager) -> dict | None:
+    """The `meta` item of the latest checkpoint (arch, classes, seed, ...), or None.
+
+    Read alone, without the state: a resumed run checks it against its own settings first,
+    since restoring the state of another model fails inside orbax with no word of why.
+
+    Raises:
+      CheckpointError: the latest checkpoint exists but its metadata cannot be read.
+    """
+    steps = sorted(mngr.all_steps())
+    if not steps:
+        return None
+    try:
+        return dict(mngr.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+    except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
+        raise _unreadable(_where(mngr), steps[-1], e, steps) from None
+
+
 def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None:
     """The latest `(state, meta)`, laid out like `target` (arrays with shardings), or None.
 
@@ -96,8 +118,7 @@ def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None
                                                          meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
-        raise _unreadable(mngr.directory.as_posix() if hasattr(mngr.directory, "as_posix") else str(mngr.directory),
-                          step, e, steps) from None
+        raise _unreadable(_where(mngr), step, e, steps) from None
 
 
 def load_workdir(workdir: str) -> tuple[dict, str]:

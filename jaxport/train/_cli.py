@@ -24,7 +24,8 @@ def add_parser(subparsers) -> None:
         description="Train data-parallel over all devices. With no --data, trains on the handwritten digits "
                     "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", default=None, help="ImageFolder directory (one sub-folder per class, or train/ and val/)")
+    p.add_argument("--data", default=None, help="ImageFolder directory (one sub-folder per class, or train/ and val/ "
+                                                 "(or validation/, valid/))")
     p.add_argument("--arch", default=d.arch, help="torchvision ResNet name")
     p.add_argument("--epochs", type=int, default=d.epochs)
     p.add_argument("--batch-size", type=_batch_size, default=d.batch_size,

@@ -24,6 +24,8 @@ from .._errors import ConfigError
 
 MEAN = np.array((0.485, 0.456, 0.406), np.float32)
 STD = np.array((0.229, 0.224, 0.225), np.float32)
+# The held-out split's folder beside train/: torchvision's `val`, and the names other datasets use.
+VAL_NAMES = ("val", "validation", "valid")
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -128,29 +130,72 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
 # ----------------------------------------------------------------------------- ImageFolder
 
 
-def _scan(root: str, name: str) -> tuple[list[str], list[tuple[str, int]], int]:
-    """Classes, readable (path, label) samples and the number of unreadable files of a folder."""
+def _image_files(class_dir: str, blocked: set[str]) -> list[str]:
+    """The image paths under `class_dir`, following symbolic links but never into a loop.
+
+    A linked directory is skipped when its real path was already walked, is another class's
+    folder (`blocked`), or is an ancestor of the directory linking it (`ln -s .. loop`):
+    followed, those would repeat images without end, or label another class's images as this one.
+    """
+    visited, found = set(), []
+    for dirpath, dirnames, files in os.walk(class_dir, followlinks=True):
+        real = os.path.realpath(dirpath)
+        visited.add(real)
+        keep = []
+        for d in sorted(dirnames):
+            sub = os.path.realpath(os.path.join(dirpath, d))
+            if not (sub in visited or sub in blocked or (real + os.sep).startswith(sub + os.sep)):
+                keep.append(d)
+                visited.add(sub)  # claimed now: a second link to it, met later, is skipped
+        dirnames[:] = keep
+        found += [(dirpath, f) for f in files if f.lower().endswith(IMG_EXTENSIONS)]
+    # The order of paths, not of the walk: the held-out split depends on it.
+    return [os.path.join(d, f) for d, f in sorted(found)]
+
+
+def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str], list[tuple[str, int]], int]:
+    """Classes, readable (path, label) samples and the number of unreadable files of a folder.
+
+    A file reached twice (symbolic links) is a sample once: in the class folder that really
+    holds it, else the first to reach it. `seen` holds the real paths already taken (train/'s,
+    when scanning val/), so no file is in both splits.
+    """
     from PIL import Image
 
     if not os.path.isdir(root):
         raise ConfigError(f"`{name}` (={root}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder of images per class)")
+    seen = set() if seen is None else seen
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    class_dirs = [os.path.realpath(os.path.join(root, c)) for c in classes]
+    blocked = {os.path.realpath(root), *class_dirs}  # never entered through a link from a class folder
+    candidates = [(path, label) for label, (cls, real) in enumerate(zip(classes, class_dirs))
+                  for path in _image_files(os.path.join(root, cls), blocked - {real})]
+    # One sample per real file: a file linked into another class folder belongs to the folder
+    # that really holds it (a link loses to the file itself), else to the first path reaching it.
+    owner: dict[str, int] = {}
+    for i, (path, _) in enumerate(candidates):
+        real = os.path.realpath(path)
+        if real in seen:  # taken by the other split
+            continue
+        j = owner.get(real)
+        if j is None or (os.path.islink(candidates[j][0]) and not os.path.islink(path)):
+            owner[real] = i
+    seen.update(owner)
+    repeated = len(candidates) - len(owner)
     samples, skipped = [], 0
-    for label, cls in enumerate(classes):
-        for dirpath, _, files in sorted(os.walk(os.path.join(root, cls), followlinks=True)):
-            for f in sorted(files):
-                if not f.lower().endswith(IMG_EXTENSIONS):
-                    continue
-                path = os.path.join(dirpath, f)
-                try:
-                    with Image.open(path) as im:
-                        im.verify()
-                except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
-                    warnings.warn(f"skipping unreadable image {path}: {e}", stacklevel=2)
-                    skipped += 1
-                    continue
-                samples.append((path, label))
+    for path, label in (candidates[i] for i in sorted(owner.values())):
+        try:
+            with Image.open(path) as im:
+                im.verify()
+        except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
+            warnings.warn(f"skipping unreadable image {path}: {e}", stacklevel=2)
+            skipped += 1
+            continue
+        samples.append((path, label))
+    if repeated:
+        warnings.warn(f"{repeated} image path(s) in {root} lead to a file already taken (symbolic links): each file "
+                      "is used once", stacklevel=2)
     if not samples:
         raise ConfigError(f"`{name}` (={root}) holds no images: expected one sub-folder per class with "
                           f"{', '.join(IMG_EXTENSIONS)} files in it")
@@ -168,6 +213,22 @@ def _scan(root: str, name: str) -> tuple[list[str], list[tuple[str, int]], int]:
     return classes, samples, skipped
 
 
+@dataclasses.dataclass
+class _Undecodable:
+    """What a worker returns, in place of an image or a batch, for a file that fails to decode.
+
+    Raised there, the error would reach the trainer as torch's re-raise: the worker's whole
+    traceback as its message, and no path. Returned, it becomes one `ConfigError` here.
+    """
+
+    path: str
+    reason: str
+
+    def error(self) -> ConfigError:
+        return ConfigError(f"`--data`: image {self.path} cannot be decoded past its header ({self.reason}); remove "
+                           "it, or re-encode it (open and save it again), then rerun")
+
+
 class _Folder:
     """A map-style dataset over `(path, label)`, keyed by `(epoch, index)` for reproducibility."""
 
@@ -183,8 +244,12 @@ class _Folder:
 
         epoch, index = key
         path, label = self.samples[index]
-        with Image.open(path) as im:
-            img = im.convert("RGB")
+        try:
+            with Image.open(path) as im:
+                img = im.convert("RGB")
+        except Exception as e:  # noqa: BLE001 - truncated or corrupt data behind a valid header
+            first = (str(e).strip().splitlines() or [""])[0]
+            return _Undecodable(path, f"{type(e).__name__}: {first[:200]}"), label
         # torchvision's random transforms draw from torch's global RNG: seeding it per example
         # (inside the worker) makes the crop a function of (seed, epoch, index) alone.
         torch.manual_seed(example_seed(self.seed, epoch, index))
@@ -192,6 +257,9 @@ class _Folder:
 
 
 def _collate(items):
+    bad = next((x for x, _ in items if isinstance(x, _Undecodable)), None)
+    if bad is not None:
+        return bad
     return np.stack([x for x, _ in items]).astype(np.float32), np.array([y for _, y in items], np.int32)
 
 
@@ -216,7 +284,10 @@ def _torch_split(samples, transform, seed, workers) -> Split:
 
     def load(indices, epoch):
         # A one-batch DataLoader per call would respawn workers; instead callers use `stream`.
-        return _collate([dataset[(epoch, int(i))] for i in indices])
+        batch = _collate([dataset[(epoch, int(i))] for i in indices])
+        if isinstance(batch, _Undecodable):
+            raise batch.error()
+        return batch
 
     def stream(batches: Iterator[Sequence[int]], epoch: int):
         loader = tud.DataLoader(dataset, batch_sampler=[[(epoch, int(i)) for i in b] for b in batches],
@@ -225,7 +296,19 @@ def _torch_split(samples, transform, seed, workers) -> Split:
                                 prefetch_factor=4 if workers else None,
                                 # jax runs threads: fork could deadlock, so workers are spawned.
                                 multiprocessing_context="spawn" if workers else None)
-        yield from loader
+        it = iter(loader)
+        try:
+            for batch in it:
+                if isinstance(batch, _Undecodable):
+                    raise batch.error()
+                yield batch
+        finally:
+            # Now, not when garbage collection finds the iterator: at exit, torch leaves its
+            # workers to multiprocessing, whose SIGTERM they ignore (`_worker_ignores_stop_signals`),
+            # and joining them would hang. Closing this generator (or an error) lands here.
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
     return Split(len(samples), load, stream)
 
@@ -236,12 +319,17 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
 
     Train: `RandomResizedCrop(image_size)`, `RandomHorizontalFlip()`; eval:
     `Resize(round(image_size * 256 / 224))`, `CenterCrop(image_size)`; both then `ToTensor()`
-    and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. With `train/` and
-    `val/` sub-folders those are the splits; otherwise a fixed stratified `val_fraction` of
-    the images is held out. Unreadable images are skipped with a warning and counted.
+    and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. A `root` with a
+    `train/` sub-folder is split torchvision's way: `train/` and the held-out `val/` (or
+    `validation/` or `valid/`), each with one sub-folder per class; otherwise the sub-folders
+    are the classes and a fixed stratified `val_fraction` of the images is held out. Images
+    whose header cannot be read are skipped with a warning and counted; symbolic links are
+    followed, and a file reached twice is used once.
 
     Raises:
-      ConfigError: a missing or empty directory, a class folder without images, or a single class.
+      ConfigError: a missing or empty directory, a class folder without images, a single class,
+        or a `train/` folder without exactly one of `val/`, `validation/`, `valid/` beside it.
+        Loading an image that fails to decode past its header raises it too, naming the file.
     """
     from torchvision import transforms as T
 
@@ -250,15 +338,26 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     val_tf = T.Compose([T.Resize(round(image_size * 256 / 224)), T.CenterCrop(image_size), *norm])
     workers = min(4, usable_cpus()) if workers is None else workers
 
-    train_dir, val_dir = os.path.join(root, "train"), os.path.join(root, "val")
-    if os.path.isdir(train_dir) and os.path.isdir(val_dir):
-        classes, train_samples, skipped = _scan(train_dir, "--data")
-        val_classes, val_samples, vskipped = _scan(val_dir, "--data")
+    train_dir = os.path.join(root, "train")
+    if os.path.isdir(train_dir):
+        held_out = [n for n in VAL_NAMES if os.path.isdir(os.path.join(root, n))]
+        if not held_out:
+            raise ConfigError(f"`--data` (={root}) has a train/ split folder but no val/ (nor validation/, valid/) "
+                              f"beside it; put the held-out images in {os.path.join(root, 'val')} (one sub-folder "
+                              f"per class, as in train/), or pass --data {train_dir} to hold out {val_fraction:.0%} "
+                              "of it")
+        if len(held_out) > 1:
+            raise ConfigError(f"`--data` (={root}) has train/ and several held-out folders "
+                              f"({', '.join(h + '/' for h in held_out)}); keep one of them")
+        seen: set[str] = set()
+        val_name = held_out[0]
+        classes, train_samples, skipped = _scan(train_dir, "--data", seen)
+        val_classes, val_samples, vskipped = _scan(os.path.join(root, val_name), "--data", seen)
         if val_classes != classes:
             only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
-            raise ConfigError(f"`--data` (={root}): train/ and val/ have different class folders (only in train/: "
-                              f"{', '.join(only_train) or 'none'}; only in val/: {', '.join(only_val) or 'none'}); "
-                              "give both the same class sub-folders")
+            raise ConfigError(f"`--data` (={root}): train/ and {val_name}/ have different class folders (only in "
+                              f"train/: {', '.join(only_train) or 'none'}; only in {val_name}/: "
+                              f"{', '.join(only_val) or 'none'}); give both the same class sub-folders")
         skipped += vskipped
     else:
         classes, samples, skipped = _scan(root, "--data")
@@ -273,7 +372,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         if not val_samples:
             raise ConfigError(f"`--data` (={root}) has too few images to hold out {val_fraction:.0%} "
                               "for validation; add images or provide train/ and val/ sub-folders")
-    if skipped:
+    if skipped:  # the one summary line (each file was named as it was skipped)
         warnings.warn(f"{skipped} unreadable image(s) skipped in {root}", stacklevel=2)
     return Data(_torch_split(train_samples, train_tf, seed, workers), _torch_split(val_samples, val_tf, seed, workers),
                 classes, skipped)

@@ -1,6 +1,7 @@
 """The training loop behind `jaxport train`: data, model, steps, checkpoints, metrics, plot."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._errors import ConfigError, DivergedError, JaxportError
+from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, save_variables
 from ..models import ARCHS, build
 from . import _checkpoint, _data, _distributed, _memory
@@ -25,6 +26,8 @@ from ._optim import cosine_annealing_lr, per_epoch, sgd
 from ._step import check_batch_size, create_state, make_eval_step, make_mesh, make_train_step, shard_batch
 
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
+OUTPUTS = (FINAL_VARIABLES, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
+METRIC_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc")  # what resuming and the plot read
 
 
 @dataclasses.dataclass
@@ -68,6 +71,7 @@ def _validate(cfg: TrainConfig) -> None:
     if blocking is not None:
         where = "is a file" if blocking == cfg.workdir else f"is inside '{blocking}', which is a file"
         raise ConfigError(f"`--workdir` (={cfg.workdir}) {where}, not a directory; pass a new or existing directory")
+    _check_workdir(cfg)
     if cfg.arch not in ARCHS:
         raise ConfigError(f"`--arch` (={cfg.arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
     for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices"):
@@ -91,6 +95,86 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.data is not None and not os.path.isdir(cfg.data):
         raise ConfigError(f"`--data` (={cfg.data}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder per class) or leave --data out to train on the embedded digits")
+
+
+def _check_workdir(cfg: TrainConfig) -> None:
+    """Refuse, before anything is written, a run that would overwrite an earlier one's files.
+
+    A fresh run truncates `metrics.jsonl` and replaces the plot and `variables.safetensors`, so
+    a workdir holding any of them (or checkpoints) continues only with `resume`. An empty
+    `checkpoints/` (a run that failed before its first checkpoint) holds nothing to lose.
+    `init` may never be one of those files: the run would read it, then write over it.
+    """
+    work = os.path.realpath(cfg.workdir)
+    ckpt = os.path.join(work, "checkpoints")
+    if cfg.init is not None:
+        init = os.path.realpath(cfg.init)
+        if init in (work, ckpt, *(os.path.join(work, n) for n in OUTPUTS)) or init.startswith(ckpt + os.sep):
+            raise ConfigError(f"`--init` (={cfg.init}) is among the files `--workdir` (={cfg.workdir}) is written "
+                              "with, and this run would replace it; copy it out of the workdir first, or choose "
+                              "another --workdir")
+    if cfg.resume or not os.path.isdir(work):
+        return
+    held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))]
+    if os.path.isdir(ckpt) and os.listdir(ckpt):
+        steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
+        held.insert(0, "checkpoints/" + (f" (latest step {max(steps)})" if steps else ""))
+    if held:
+        raise ConfigError(f"`--workdir` (={cfg.workdir}) already holds {', '.join(held)} from an earlier run; pass "
+                          "--resume to continue it, or choose a new directory (nothing was changed)")
+
+
+def _read_metrics(path: str) -> list[dict]:
+    """The rows of a `metrics.jsonl`, one JSON object per epoch; blank lines are ignored.
+
+    Raises:
+      CheckpointError: a line that is not such a row, named by its number.
+    """
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                why = f"not JSON: {e.msg}"
+            else:
+                missing = [k for k in METRIC_KEYS if k not in row] if isinstance(row, dict) else ["an object"]
+                if not missing:
+                    rows.append(row)
+                    continue
+                why = f"no {', '.join(missing)}"
+            raise CheckpointError(f"`{path}` line {n} is not a metrics row of `jaxport train` ({why}); repair or "
+                                  "delete that line, then rerun")
+    return rows
+
+
+def _names(classes: list) -> str:
+    shown = ", ".join(map(str, classes[:8]))
+    return f"[{shown}{', ...' if len(classes) > 8 else ''}]"
+
+
+def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
+    """Refuse to resume a checkpoint of another model, label set or data pipeline.
+
+    Checked on the checkpoint's metadata before its state is read: restoring another
+    architecture or head fails deep in orbax (and blames the checkpoint), and the same number
+    of differently named classes would restore without error and give every label a new meaning.
+    """
+    def run(m):
+        classes = m.get("classes")
+        return f"{m.get('arch')} on {m.get('num_classes')} classes" + (f" {_names(classes)}" if classes else "")
+
+    if (saved.get("arch"), saved.get("num_classes")) != (meta["arch"], meta["num_classes"]) or (
+            saved.get("classes") is not None and list(saved["classes"]) != meta["classes"]):
+        raise ConfigError(f"--resume: the checkpoint in {workdir} was trained as {run(saved)}; this run asks for "
+                          f"{run(meta)}; use the same --arch and --data, or a new --workdir")
+    for key in ("seed", "batch_size", "image_size"):
+        if saved.get(key) != meta[key]:
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"--resume: `{flag}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}) "
+                              f"in {workdir}; use {flag} {saved.get(key)} to continue that run")
 
 
 class Interrupted(KeyboardInterrupt):
@@ -172,9 +256,11 @@ def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict
     padded = [np.concatenate([c, np.zeros(batch - len(c), int)]) for c in chunks]
     masks = [np.arange(batch) < len(c) for c in chunks]
     local = [pc[p * share:(p + 1) * share] for pc in padded]
-    for (x, y), m in zip(split.stream(iter(local), 0), masks):
-        out = evaluate(variables, *shard_batch(mesh, x, y, m[p * share:(p + 1) * share].astype(np.float32)))
-        totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
+    # closing(): an error here must shut the loader's workers down now (see `_data._torch_split`).
+    with contextlib.closing(split.stream(iter(local), 0)) as batches:
+        for (x, y), m in zip(batches, masks):
+            out = evaluate(variables, *shard_batch(mesh, x, y, m[p * share:(p + 1) * share].astype(np.float32)))
+            totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
     return {"val_loss": totals[0] / totals[2], "val_acc": totals[1] / totals[2]}
 
 
@@ -185,7 +271,7 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = _read_metrics(metrics_path)
     ep = [r["epoch"] + 1 for r in rows]  # 1-based, as the log lines count them
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
@@ -230,8 +316,6 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
 
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
-    if data.skipped:
-        say(f"warning: {data.skipped} unreadable image(s) skipped")
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     n_dev, n_proc = mesh.devices.size, jax.process_count()
 
@@ -262,8 +346,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     else:
         batch = cfg.batch_size
     if steps_per_epoch < 1:
-        raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({data.train.num_examples} "
-                          f"images); use at most {data.train.num_examples // n_dev * n_dev}")
+        n = data.train.num_examples
+        fix = (f"use at most {n // n_dev * n_dev} (a multiple of the {n_dev} devices)" if n >= n_dev else
+               f"a step needs at least one image per device ({n_dev}): add training images")
+        raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
     step_fn = make_train_step(model, tx, mesh)
@@ -274,41 +360,37 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
             "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0]}
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
-    if mngr.all_steps() and not cfg.resume:
-        raise ConfigError(f"`--workdir` (={cfg.workdir}) already holds checkpoints (latest step "
-                          f"{mngr.latest_step()}); pass --resume to continue it, or choose an empty directory")
-    if cfg.resume and mngr.all_steps():
-        state, saved = _checkpoint.restore(mngr, state)
-        for key in ("arch", "seed", "batch_size", "image_size"):
-            if saved.get(key) != meta[key]:
-                raise ConfigError(f"--resume: `{key}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}); "
-                                  f"use {saved.get(key)} to continue that run")
-        meta["epoch_sums"] = saved["epoch_sums"]
-        say(f"resuming from step {int(state.step)}")
-    elif cfg.resume:
-        say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
-    start = int(state.step)
-    if lead and os.path.exists(metrics_path):  # drop epochs the resumed run will redo
-        done = start // steps_per_epoch
-        rows = [r for r in (json.loads(x) for x in open(metrics_path)) if r["epoch"] < done]
-        with atomic_path(metrics_path) as tmp, open(tmp, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in rows)
-
-    last_step = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps, steps_per_epoch * cfg.epochs)
-    say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
-        f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
-        f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm "
-        f"{'synchronised' if cfg.sync_bn else 'per device'}")
-    if start >= last_step:
-        say(f"nothing to train: the latest checkpoint is at step {start} and the run ends at step {last_step} "
-            "(raise --epochs or --max-steps to train further)")
     result: dict = {}
-    gstep = start
     bar = None
     # Dispatch is asynchronous: XLA's RESOURCE_EXHAUSTED surfaces where a result is waited for
     # (device_get, evaluation, checkpointing), so the whole loop is covered, not one call.
     stops = _StopRequests(n_proc)
     try:
+        if cfg.resume and mngr.all_steps():
+            saved = _checkpoint.latest_meta(mngr)
+            _check_resumable(saved, meta, cfg.workdir)
+            state, saved = _checkpoint.restore(mngr, state)
+            meta["epoch_sums"] = saved["epoch_sums"]
+            say(f"resuming from step {int(state.step)}")
+        elif cfg.resume:
+            say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
+        start = int(state.step)
+        if lead and os.path.exists(metrics_path):  # drop epochs the resumed run will redo
+            done = start // steps_per_epoch
+            rows = [r for r in _read_metrics(metrics_path) if r["epoch"] < done]
+            with atomic_path(metrics_path) as tmp, open(tmp, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+
+        last_step = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps,
+                                                                                    steps_per_epoch * cfg.epochs)
+        say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
+            f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
+            f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm "
+            f"{'synchronised' if cfg.sync_bn else 'per device'}")
+        if start >= last_step:
+            say(f"nothing to train: the latest checkpoint is at step {start} and the run ends at step {last_step} "
+                "(raise --epochs or --max-steps to train further)")
+        gstep = start
         with stops:
             while gstep < last_step:
                 epoch, offset = divmod(gstep, steps_per_epoch)
@@ -359,6 +441,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                     # the state of the last finished step stands, and is saved below.
                     if pending:
                         flush()
+                finally:
+                    loader.close()  # its workers stop now, error or not (see `_data._torch_split`)
                 elapsed = time.perf_counter() - t0
                 if bar is not None:
                     bar.close()
@@ -384,10 +468,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
                 result = row
                 if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step
                     raise Interrupted(stops.signum, gstep, cfg.workdir)
-    except (DivergedError, Interrupted):  # the checkpoints on disk are good: close them and stop
+    except (DivergedError, Interrupted):  # the checkpoints on disk are good: stop
         if bar is not None:
             bar.close()
-        mngr.close()
         raise
     except Exception as e:  # noqa: BLE001 - only out-of-memory is translated; the rest propagates
         if bar is not None:
@@ -395,9 +478,12 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         if not _memory.is_out_of_memory(e):
             raise
         raise _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) from None
+    finally:
+        # On every exit: left open, orbax's threads and event loop outlive the error and print
+        # asyncio tracebacks ("Event loop is closed") as the interpreter shuts down.
+        mngr.close()
     if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
-    mngr.close()
     if lead:  # the final weights in jaxport's variables format, readable whatever the topology
         # (replicated, so this process's first shard is the value); `jaxport export`, `verify`
         # and `--init` read it like any ported file.

@@ -1,0 +1,191 @@
+"""`jaxport train` on awkward inputs: broken images, split folders, symbolic links, earlier runs.
+
+Each test is a regression named after what broke; runs are ResNet-18 at 16 px, 1-2 steps.
+"""
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from jaxport._errors import CheckpointError, ConfigError
+from jaxport.train import TrainConfig, _data, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _images(folder, n, start=0, size=(20, 24)):
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(start)
+    for i in range(start, start + n):
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))
+
+
+def _folder(root, classes=("a", "b"), per_class=10):
+    for c in classes:
+        _images(root / c, per_class)
+    return root
+
+
+def _cfg(workdir, data, **kw):
+    return TrainConfig(**{**dict(workdir=str(workdir), data=str(data), image_size=16, batch_size=4, epochs=1,
+                                 max_steps=1, workers=0, progress=False, devices=1), **kw})
+
+
+def test_an_image_that_fails_to_decode_is_named_and_the_run_exits(tmp_path):
+    """A JPEG cut in half passes PIL's header check (`verify`) and fails to decode. With
+    DataLoader workers that printed the worker's traceback and then hung at exit (workers ignore
+    SIGTERM, and nothing shut them down); without workers the error named no file."""
+    data = tmp_path / "data"
+    _folder(data / "train", per_class=4)
+    _folder(data / "val", per_class=1)
+    bad = data / "train" / "a" / "3.jpg"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 200, 3), np.uint8)).save(bad)
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    (data / "train" / "a" / "3.png").unlink()  # 8 training images: one step of 8 loads all of them
+    with Image.open(bad) as im:
+        im.verify()  # the header reads: the scan keeps it
+    with pytest.raises(ConfigError, match=rf"image {bad} cannot be decoded .*truncated.*remove it, or re-encode it"):
+        _data.image_folder(str(data), image_size=16, workers=0).train.load([0, 1, 2, 3, 4, 5, 6, 7], 0)
+
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="2", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "jaxport", "train", "--workdir", str(tmp_path / "w"), "--data", str(data),
+           "--image-size", "16", "--batch-size", "8", "--epochs", "1", "--workers", "2", "--no-progress"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("jaxport: error:")]
+    assert len(errors) == 1 and str(bad) in errors[0] and "cannot be decoded" in errors[0], out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_torchvision_split_folders_are_recognised_or_refused(tmp_path):
+    """`train/` beside `validation/` was read as two classes named 'train' and 'validation'."""
+    for held_out in ("val", "validation", "valid"):
+        root = tmp_path / held_out
+        _folder(root / "train", per_class=3)
+        _folder(root / held_out, per_class=2)
+        data = _data.image_folder(str(root), image_size=16, workers=0)
+        assert data.classes == ["a", "b"], held_out
+        assert (data.train.num_examples, data.val.num_examples) == (6, 4), held_out
+    only = _folder(tmp_path / "only" / "train")  # was "a single class ('train')"
+    with pytest.raises(ConfigError, match=r"has a train/ split folder but no val/ \(nor validation/, valid/\).*"
+                                          rf"--data {only}"):
+        _data.image_folder(str(tmp_path / "only"), workers=0)
+    _folder(tmp_path / "val" / "validation")
+    with pytest.raises(ConfigError, match=r"several held-out folders \(val/, validation/\)"):
+        _data.image_folder(str(tmp_path / "val"), workers=0)
+
+
+def test_symbolic_links_never_repeat_an_image(tmp_path):
+    """Loops (`ln -s . again`, `ln -s .. loop`) turned 20 images into 420 samples, each in both
+    splits, class b's labelled a."""
+    root = _folder(tmp_path / "data", per_class=10)
+    os.symlink(".", root / "a" / "again")
+    os.symlink("..", root / "a" / "loop")
+    os.symlink(os.path.join("..", "b"), root / "a" / "b_too")  # another class's folder
+    os.symlink(os.path.join("..", "b", "0.png"), root / "a" / "also.png")  # another class's file
+    with pytest.warns(UserWarning, match="1 image path"):
+        classes, samples, _ = _data._scan(str(root), "--data")
+    assert classes == ["a", "b"]
+    reals = [os.path.realpath(p) for p, _ in samples]
+    assert len(reals) == len(set(reals)) == 20
+    assert all(os.path.dirname(r) == os.path.realpath(root / classes[y]) for r, (_, y) in zip(reals, samples))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = _data.image_folder(str(root), image_size=16, workers=0)
+    assert (data.train.num_examples, data.val.num_examples) == (18, 2)
+
+    split = tmp_path / "split"  # the same file in train/ and (through a link) in val/
+    _folder(split / "train", per_class=3)
+    os.makedirs(split / "val")
+    for c in "ab":
+        _images(split / "val" / c, 1, start=100)
+        os.symlink(split / "train" / c / "0.png", split / "val" / c / "x.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        data = _data.image_folder(str(split), image_size=16, workers=0)
+    assert (data.train.num_examples, data.val.num_examples) == (6, 2)
+
+
+def test_a_workdir_with_an_earlier_runs_files_is_left_alone(tmp_path):
+    """With no checkpoints, an earlier run's metrics.jsonl was truncated and an `--init` file
+    inside the workdir was overwritten by the new weights."""
+    data = _folder(tmp_path / "data")
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "metrics.jsonl").write_text('{"epoch": 0}\n')
+    with pytest.raises(ConfigError, match=rf"`--workdir` \(={work}\) already holds metrics.jsonl from an earlier run; "
+                                          "pass --resume"):
+        train(_cfg(work, data))
+    assert (work / "metrics.jsonl").read_text() == '{"epoch": 0}\n'
+    assert sorted(os.listdir(work)) == ["metrics.jsonl"]
+    init = work / "variables.safetensors"
+    init.write_bytes(b"weights")
+    for resume in (False, True):
+        with pytest.raises(ConfigError, match=rf"`--init` \(={init}\) is among the files `--workdir` \(={work}\) "):
+            train(_cfg(work, data, init=str(init), resume=resume))
+    assert init.read_bytes() == b"weights"
+    (work / "checkpoints").mkdir()  # as a run that failed before its first checkpoint leaves it
+    (work / "metrics.jsonl").unlink()
+    init.unlink()
+    train(_cfg(work, data))  # nothing to lose: allowed
+
+
+def test_resume_refuses_another_model_or_class_set_before_restoring(tmp_path):
+    """Another --arch or class count failed inside orbax ("tree structures do not match"),
+    advising to delete the good checkpoint, with asyncio tracebacks; other class names with the
+    same count resumed silently. A metrics.jsonl row without "epoch" was a KeyError."""
+    data = _folder(tmp_path / "data", classes=("a", "b", "c"))
+    (data / "a" / "bad.jpg").write_bytes(b"not an image")
+    work = tmp_path / "w"
+    messages = []
+    with pytest.warns(UserWarning) as record:
+        train(_cfg(work, data), log=messages.append)
+    # The count of skipped images is said once (it was also logged a second time).
+    assert sum("unreadable image(s) skipped" in str(w.message) for w in record) == 1
+    assert not any("unreadable" in m for m in messages), messages
+
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "jaxport", "train", "--workdir", str(work), "--data", str(data), "--resume",
+           "--arch", "resnet34", "--image-size", "16", "--batch-size", "4", "--epochs", "1", "--max-steps", "2",
+           "--workers", "0", "--no-progress"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 2
+    errors = [line for line in out.stderr.splitlines() if "warning" not in line]
+    assert errors == [f"jaxport: error: --resume: the checkpoint in {work} was trained as resnet18 on 3 classes "
+                      "[a, b, c]; this run asks for resnet34 on 3 classes [a, b, c]; use the same --arch and --data, "
+                      "or a new --workdir"], out.stderr
+
+    other = _folder(tmp_path / "other", classes=("x", "y", "z"))
+    with pytest.raises(ConfigError, match=r"trained as resnet18 on 3 classes \[a, b, c\]; this run asks for "
+                                          r"resnet18 on 3 classes \[x, y, z\]"):
+        train(_cfg(work, other, resume=True, max_steps=2))
+    four = _folder(tmp_path / "four", classes=("a", "b", "c", "d"))
+    with pytest.raises(ConfigError, match=r"this run asks for resnet18 on 4 classes \[a, b, c, d\]"):
+        train(_cfg(work, four, resume=True, max_steps=2))
+    assert sorted(os.listdir(work / "checkpoints")) == ["1"]
+
+    metrics = work / "metrics.jsonl"
+    metrics.write_text(json.dumps({"epoch": 0, "train_loss": 1, "train_acc": 0, "val_loss": 1, "val_acc": 0})
+                       + "\n" + json.dumps({"step": 3}) + "\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(CheckpointError, match=rf"`{metrics}` line 2 is not a metrics row .*\(no epoch, "):
+            train(_cfg(work, data, resume=True, max_steps=2))
+
+
+def test_a_batch_larger_than_the_training_set_names_one_that_fits(tmp_path):
+    """2 training images on 4 devices were told "use at most 0"."""
+    data = tmp_path / "data"
+    _folder(data / "train", per_class=1)
+    _folder(data / "val", per_class=1)
+    with pytest.raises(ConfigError, match=r"`--batch-size` \(=4\) is larger than the training set \(2 images\); a "
+                                          r"step needs at least one image per device \(4\): add training images"):
+        train(_cfg(tmp_path / "w", data, devices=4))
+    _images(data / "train" / "a", 3, start=10)  # 5 images
+    with pytest.raises(ConfigError, match=r"\(5 images\); use at most 4 \(a multiple of the 4 devices\)"):
+        train(_cfg(tmp_path / "w", data, devices=4, batch_size=8))
