@@ -490,6 +490,8 @@ class _DefinedInAScript(nn.Module):  # pickled under a module name the loader ca
         self.fc = nn.Linear(2, 2)
 
 
+# Python 3.11's repr of pytest's __main__ module goes through a deprecated importlib hook.
+@pytest.mark.filterwarnings("ignore:BuiltinImporter.module_repr:DeprecationWarning")
 def test_a_trusted_load_of_a_class_that_cannot_be_imported_says_so(tmp_path):
     """It was reported as 'truncated or corrupt; re-download it'."""
     import sys
