@@ -37,6 +37,7 @@ def main():
     p.add_argument("--workdir", default=None, help="where the run and model.pt go (default: a new temp dir)")
     args = p.parse_args()
     work = args.workdir or tempfile.mkdtemp(prefix="jaxport-finetune-")
+    os.makedirs(work, exist_ok=True)  # a --workdir that does not exist yet is made, not a torch.save error
 
     # 1. A torch model with an ImageNet-style head of 1000 classes, saved as a torch user would.
     ckpt = args.checkpoint

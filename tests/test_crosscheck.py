@@ -6,8 +6,10 @@ import textwrap
 
 import numpy as np
 import pytest
+import torchvision
 
 import torch_compat
+from jaxport._errors import ConfigError
 from tests.helpers import reference
 
 
@@ -97,3 +99,18 @@ def test_train_mode_is_exact_in_float64(arch):
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(modes="eval"), "`modes` (='eval') must be a sequence of modes, e.g. ('eval',)"),
+    (dict(modes=("eval",), batch_size=0), "`batch_size` (=0) must be an int >= 1"),
+    (dict(modes=("eval",), batch_size=-1), "`batch_size` (=-1) must be an int >= 1"),
+    (dict(modes=("eval",), image_size=0), "`image_size` (=0) must be an int >= 1"),
+    (dict(modes=("eval",), rtol=-1), "`rtol` (=-1) must be a finite number > 0"),
+    (dict(modes=("eval",), rtol=float("nan")), "`rtol` (=nan) must be a finite number > 0"),
+])
+def test_arguments_that_would_compare_nothing_are_refused(kw, message):
+    """batch_size=0 passed having compared nothing; image_size=0 and batch_size=-1 were torch errors."""
+    with pytest.raises(ConfigError) as e:
+        torch_compat.cross_check(torchvision.models.resnet18().state_dict(), **kw)
+    assert message in str(e.value)

@@ -142,3 +142,16 @@ def _convert_generic(ref):
                 node = node.setdefault(part, {})
             node[leaf] = a.astype(np.int32) if leaf == "num_batches_tracked" else a
     return out
+
+
+def test_inputs_and_options_torchvision_refuses_or_takes():
+    model = models.resnet18(num_classes=3)
+    variables = model.init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))
+    with pytest.raises(ConfigError, match=r"no pixels: shape \(1, 0, 8, 3\)"):  # was NaN logits
+        model.apply(variables, jnp.zeros((1, 0, 8, 3)))
+    with pytest.raises(ValueError, match="3-element tuple"):
+        torchvision.models.resnet50(replace_stride_with_dilation=())
+    with pytest.raises(ConfigError, match="3-element tuple, got"):  # () was taken as no dilation
+        models.resnet50(replace_stride_with_dilation=()).init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))
+    out = models.resnet18(num_classes=np.int64(3)).init_with_output(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))[0]
+    assert out.shape == (1, 3)  # a numpy integer is an int, as torch takes it

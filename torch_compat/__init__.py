@@ -17,3 +17,4 @@ from ._cuda_tag import saving_as_cuda as saving_as_cuda
 from ._default import default_checkpoint as default_checkpoint
 from ._load import load_state_dict as load_state_dict
 from ._load import weights_only_is_safe as weights_only_is_safe
+from . import optim as optim  # `import torch_compat` then `torch_compat.optim.sgd(...)`, as the README does

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -180,9 +181,17 @@ def cross_check(
       ConversionError: `state_dict` or `variables` does not fit `arch`, listing every misfit key.
       ConfigError: `modes` is empty or names something other than "eval" and "train".
     """
+    if isinstance(modes, str):
+        raise ConfigError(f"`modes` (={modes!r}) must be a sequence of modes, e.g. ({modes!r},)")
     bad = [m for m in modes if m not in ("eval", "train")]
     if bad or not modes:
         raise ConfigError(f"`modes` (={list(modes)}) must be a non-empty subset of ('eval', 'train')")
+    for name, value in (("batch_size", batch_size), ("image_size", image_size)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ConfigError(f"`{name}` (={value!r}) must be an int >= 1 (CLI --{name.replace('_', '-')})")
+    for name, value in (("rtol", rtol), ("train_rtol", train_rtol)):
+        if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value > 0):
+            raise ConfigError(f"`{name}` (={value!r}) must be a finite number > 0")
     side = _layer4_side(image_size)
     if "train" in modes and batch_size * side * side < 2:
         # torch refuses train-mode BatchNorm over a single value per channel (its unbiased

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
@@ -259,13 +260,19 @@ class ResNet(nn.Module):
             # kernel shape mismatch in conv1.
             raise ConfigError(f"ResNet input must be NHWC (channels last); got shape {tuple(x.shape)}, which looks "
                               "like torch's NCHW: transpose it with x.transpose(0, 2, 3, 1)")
-        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
+        if x.shape[1] == 0 or x.shape[2] == 0:
+            raise ConfigError(f"ResNet input has no pixels: shape {tuple(x.shape)} (NHWC); pass images of at least "
+                              "1x1 (torch refuses this too)")
+        if isinstance(self.num_classes, (bool, np.bool_)) or not isinstance(self.num_classes, (int, np.integer)) \
+                or self.num_classes < 0:
             raise ConfigError(f"`num_classes` (={self.num_classes!r}) must be an int >= 0 "
                               "(0: no classifier, the model returns the pooled features)")
         block_cls = {"basic": BasicBlock, "bottleneck": Bottleneck}.get(self.block)
         if block_cls is None:
             raise ConfigError(f"`block` (={self.block!r}) must be 'basic' or 'bottleneck'")
-        dilate = tuple(self.replace_stride_with_dilation or (False, False, False))
+        # None only: torchvision refuses an empty tuple like any other length.
+        dilate = (False, False, False) if self.replace_stride_with_dilation is None else tuple(
+            self.replace_stride_with_dilation)
         if len(dilate) != 3:
             raise ConfigError(
                 f"`replace_stride_with_dilation` should be None or a 3-element tuple, got {dilate}"
