@@ -142,16 +142,14 @@ def _default_port_output(ckpt: Path, force: bool) -> Path:
     out = Path(stem + ".safetensors")
     if _same_file(out, ckpt) or ckpt.suffix == ".safetensors":
         out = Path(stem + ".flax.safetensors")
-    if out.exists():
+    # (The checkpoint itself is never the output: `_check_output` refuses that, --force or not.)
+    if out.exists() and not force:
         source = _port_source(out)
-        if _same_file(out, ckpt) or (source is None and not force):
-            raise ConfigError(f"the default output '{out}' already exists and is not a jaxport variables file; "
-                              "nothing was overwritten: pass --out to name the output"
-                              + ("" if _same_file(out, ckpt) else ", or --force to replace it"))
-        if not _is_port_of(source, ckpt) and not force:
-            raise ConfigError(f"the default output '{out}' already exists and holds the port of '{source}', not of "
-                              f"'{ckpt.name}'; nothing was overwritten: pass --out to name the output, or --force "
-                              "to replace it")
+        held = "is not a jaxport variables file" if source is None else f"holds the port of '{source}', not of " \
+            f"'{ckpt.name}'"
+        if source is None or not _is_port_of(source, ckpt):
+            raise ConfigError(f"the default output '{out}' already exists and {held}; nothing was overwritten: "
+                              "pass --out to name the output, or --force to replace it")
     return out
 
 

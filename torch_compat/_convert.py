@@ -344,9 +344,15 @@ def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry]) -> 
         fix = "save num_batches_tracked as torch's int64 counter"
     else:
         fix = "cast the weights to float32 first (tensor.float()) if the values are meant as weights"
-    others = f" ({len(bad)} such tensors: {', '.join(k for k, _, _ in bad[:4])}{', ...' if len(bad) > 4 else ''})"
     raise ConversionError(f"state_dict[{key!r}] is {t.dtype}{'' if t.layout == torch.strided else f' ({t.layout})'}, "
-                          f"expected {want}{others if len(bad) > 1 else ''}: {fix}")
+                          f"expected {want}{_others(bad, 'tensors')}: {fix}")
+
+
+def _others(bad: list[tuple], noun: str) -> str:
+    """' (N such tensors: a, b, ...)' when more than the first key named is wrong."""
+    if len(bad) < 2:
+        return ""
+    return f" ({len(bad)} such {noun}: {', '.join(b[0] for b in bad[:4])}{', ...' if len(bad) > 4 else ''})"
 
 
 def check_variables(variables: Mapping[str, Any], arch: str) -> list[Entry]:
@@ -363,15 +369,15 @@ def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
     for e in entries:
         if e.flax_key not in flat:
             continue
-        dtype = np.dtype(getattr(flat[e.flax_key], "dtype", np.asarray(flat[e.flax_key]).dtype))
+        value = flat[e.flax_key]
+        dtype = np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)  # no host copy
         counter = e.flax_path[-1] == "num_batches_tracked"
         if np.issubdtype(dtype, np.integer) if counter else dtype.name in _FLOAT_DTYPES.values():
             continue
         bad.append((e.flax_key, dtype.name, "an integer" if counter else "float16, bfloat16, float32 or float64"))
     if bad:
         key, dtype, want = bad[0]
-        others = f" ({len(bad)} such arrays: {', '.join(k for k, _, _ in bad[:4])}{', ...' if len(bad) > 4 else ''})"
-        raise ConversionError(f"the Flax variable {key!r} is {dtype}, expected {want}{others if len(bad) > 1 else ''}: "
+        raise ConversionError(f"the Flax variable {key!r} is {dtype}, expected {want}{_others(bad, 'arrays')}: "
                               "these are not a ResNet's variables as jaxport writes them; port the checkpoint again")
     return entries
 
@@ -494,8 +500,7 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
       >>> variables["params"]["conv1"]["kernel"].shape
       (7, 7, 3, 64)
     """
-    _require_state_dict(state_dict)
-    arch = detect_arch(state_dict) if arch is None else arch
+    arch = detect_arch(state_dict) if arch is None else arch  # both check `state_dict`'s type
     entries = check_state_dict(state_dict, arch)
     # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
     # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.

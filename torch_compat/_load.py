@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from jaxport._errors import CheckpointError
-from jaxport._io import holds_variables
 
 # Keys under which training scripts store the weights, in the order they are looked up.
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
@@ -144,7 +143,7 @@ def load_state_dict(
     kind = _sniff(shown)
     if kind == "safetensors":
         obj: Any = _load_safetensors(shown)
-        if obj and holds_variables(shown):  # `/` paths or jaxport's header: a port, not a state dict
+        if any("/" in k for k in obj):  # jaxport's `collection/path/leaf` keys: a port, not a state dict
             raise CheckpointError(
                 f"'{shown}' is already a jaxport variables file (written by `jaxport port` or `jaxport train`), "
                 f"not a torch checkpoint: read it with jaxport.load_variables, or turn it back into a torch "

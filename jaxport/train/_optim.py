@@ -193,12 +193,12 @@ def _check_base_lr(base_lr: float) -> None:
         raise ConfigError(f"`base_lr` (={base_lr!r}) must be a finite number >= 0, as torch.optim's learning rate")
 
 
-def _whole(name: str, value, minimum: int) -> int:
-    """An int (or an integral float) >= minimum; torch's schedulers compare steps with ==, so a
-    fractional value would silently never be reached."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != int(value) \
-            or value < minimum:
-        raise ConfigError(f"`{name}` (={value!r}) must be a whole number >= {minimum}")
+def _whole(name: str, value, minimum: int | None = None) -> int:
+    """An int (or an integral float), >= minimum if given; torch's schedulers compare steps with
+    ==, so a fractional value would silently never be reached."""
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value == int(value)) or (minimum is not None and value < minimum):
+        raise ConfigError(f"`{name}` (={value!r}) must be a whole number" + (f" >= {minimum}" if minimum is not None else ""))
     return int(value)
 
 
@@ -235,7 +235,7 @@ def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) 
         raise ConfigError(f"`milestones` (={milestones!r}) must be a list of steps, e.g. [30, 60, 90]")
     counts: dict[int, int] = {}
     for m in milestones:
-        m = _whole("milestones", m, -(2**62))
+        m = _whole("milestones", m)
         if m >= 0:  # torch's step count never goes below 0: a negative milestone never fires
             counts[m] = counts.get(m, 0) + 1
     at = sorted(counts)
