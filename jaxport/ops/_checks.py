@@ -22,7 +22,10 @@ def normalize_axis(axis, ndim: int, name: str = "axis") -> int:
 
 
 def normalize_axes(axis, ndim: int, name: str = "axis") -> tuple[int, ...]:
-    """None (all axes), an int, or a sequence of distinct ints -> sorted tuple in [0, ndim)."""
+    """None (all axes), an int, or a sequence of distinct ints -> sorted tuple in [0, ndim).
+
+    A 0-d array takes axis 0 or -1 and reduces nothing (`()`), as torch's reductions do.
+    """
     if axis is None:
         return tuple(range(ndim))
     axes = (axis,) if not isinstance(axis, (tuple, list)) else tuple(axis)
@@ -33,6 +36,8 @@ def normalize_axes(axis, ndim: int, name: str = "axis") -> tuple[int, ...]:
         except TypeError:
             raise ConfigError(f"`{name}` (={axis!r}) must be None, an int or a tuple of ints") from None
         if ndim == 0:
+            if a in (0, -1) and len(axes) == 1:
+                return ()
             raise ConfigError(f"`{name}` (={axis!r}) cannot index a 0-d array, which has no axes; pass {name}=None")
         if not -ndim <= a < ndim:
             raise ConfigError(

@@ -81,8 +81,7 @@ def logsumexp(
     # Half precision accumulates in float32 (as torch's CPU and GPU kernels do).
     work = jnp.float32 if np.dtype(out_dtype).itemsize < 4 else out_dtype
     a = a.astype(work)
-    # A 0-d array accepts axis 0 / -1 (reducing nothing), as torch.logsumexp and scipy do.
-    dims = () if a.ndim == 0 and axis in (0, -1, (0,), (-1,)) else normalize_axes(axis, a.ndim)
+    dims = normalize_axes(axis, a.ndim)
     if b is not None:
         b = jnp.asarray(b).astype(work)
         b = _broadcast(b, a.shape, "b")
