@@ -95,7 +95,12 @@ def logsumexp(
         # even when the masked value is inf or NaN.
         a = jnp.where(where, a, -jnp.inf)
 
-    if b is None and axis_name is None and a.size >= _ONE_PASS_MIN_SIZE:
+    if (
+        b is None
+        and axis_name is None
+        and a.size >= _ONE_PASS_MIN_SIZE
+        and jax.default_backend() in _ONE_PASS_BACKENDS
+    ):
         out = _lse_one_pass(a, dims)
         out = out if keepdims else jnp.squeeze(out, dims)
         sign = jnp.where(jnp.isnan(out), jnp.nan, jnp.where(out == -jnp.inf, 0.0, 1.0)).astype(work)
@@ -118,6 +123,11 @@ def logsumexp(
 # against 7 us for the shifted sum (which XLA runs inline in the caller, as "cheap"), and
 # (32, 256) 55 us against 38 us; from (32, 1024) up the one pass is as fast or faster.
 _ONE_PASS_MIN_SIZE = 32768
+# The one pass is XLA:CPU tuning. On XLA:GPU (jax 0.11.2, an H200) its exactness check is a
+# `lax.cond`, whose predicate the GPU runtime reads back on the host: it ran at 0.82-0.88x
+# `jax.nn.logsumexp` there (benchmarks/README.md), while the max-shifted sum is what
+# `jax.nn.logsumexp` itself runs.
+_ONE_PASS_BACKENDS = frozenset({"cpu"})
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
