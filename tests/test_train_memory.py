@@ -21,7 +21,7 @@ def test_batch_size_auto_trains_with_the_largest_batch_allowed(tmp_path):
     out = train(TrainConfig(workdir=str(tmp_path), batch_size="auto", image_size=8, devices=2, max_steps=1,
                             memory_limit_bytes=2**40, progress=False), log=messages.append)
     # With memory to spare the cap wins: 256 per device (the training set holds 1438 images).
-    assert any("--batch-size auto: 256 per device" in m for m in messages), messages
+    assert any("--batch-size auto: 256 per device, the most it picks" in m for m in messages), messages
     assert any("global batch 512 (256 per device)" in m for m in messages), messages
     assert int(out["state"].step) == 1
 

@@ -72,7 +72,9 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
         if need(up) > limit_bytes:
             break
         b = up
-    log(f"--batch-size auto: {b} per device ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
+    # Say when the cap, not memory, chose the size (a GPU with 64 GiB free is not "full" at 256).
+    capped = ", the most it picks" if b == max_per_device else ""
+    log(f"--batch-size auto: {b} per device{capped} ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
         "from XLA's memory analysis)")
     return b
 
