@@ -8,9 +8,9 @@
 # nothing is installed) and writes one log per benchmark under $OUT (or /tmp/gpu-bench). Each
 # step has its own time limit, so one hang cannot eat the whole lease: they add up to 580 s
 # (torch.compile's compiles are most of it). Budget the call with timeout_s=600 and give the
-# machine back after. On an H200 (2026-11-30) the script as it was then (no CLI steps) took
-# 148 s, after a start-up of about 30 s; figures in benchmarks/README.md. The steps run in order
-# of what is least known: the training rows first.
+# machine back after. On an H200 (2026-11-30, 23:37 UTC) it took 247 s after a start-up of about
+# 30 s; figures in benchmarks/README.md. The steps run in order of what is least known: the
+# training rows first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-bench}
@@ -35,16 +35,16 @@ step env 30 "$py" -m jaxport env
 # is printed before torch's eager and compiled runs.
 step train 180 "$py" benchmarks/bench_train.py --gpu --configs 256x224 --steps 20 --warmup 2 \
   --out "$out/train.json"
-# Issue 4 end to end, which no GPU has run yet (2026-11-30): the CLI's default digits run in bf16
-# (on the CPU: 0.964 held-out), then --batch-size auto's memory prediction for a few steps.
+# Issue 4 end to end: the CLI's default digits run in bf16 (0.969 held-out on an H200, 0.964 on
+# the CPU in float32), then --batch-size auto's memory prediction for a few steps.
 step train-cli 120 "$py" -m jaxport train --workdir /tmp/gpu-train --dtype bfloat16 --no-progress
 cp /tmp/gpu-train/metrics.jsonl "$out/train-cli-metrics.jsonl" 2>/dev/null
 step train-auto 90 "$py" -m jaxport train --workdir /tmp/gpu-train-auto --dtype bfloat16 --batch-size auto \
   --max-steps 3 --no-progress
 # Issue 2: bf16 inference against torch eager and torch.compile (channels_last). Only the plain
 # jax variant: each jit compile autotunes cuDNN's convolutions, and the folded variant would
-# double those compiles inside this step's limit. 73 s on an H200.
+# double those compiles inside this step's limit. 43-73 s on an H200.
 step inference 100 "$py" benchmarks/bench_inference.py --device cuda --dtype bfloat16 \
   --batch 8 32 256 --repeats 20 20 10 --variants jax
-# Issue 3: the ops table, jax on the GPU against torch on CUDA. 27 s on an H200.
+# Issue 3: the ops table, jax on the GPU against torch on CUDA. 20-27 s on an H200.
 step ops 60 "$py" benchmarks/bench_ops.py --torch-device cuda
