@@ -58,7 +58,10 @@ def test_jvp_equals_reverse_mode(x64, arch, train):
     _, tangent = jax.jit(lambda p, t: jax.jvp(_loss(plain, variables, x, train), (p,), (t,)))(variables["params"], v)
     grads = jax.jit(jax.grad(_loss(fast, variables, x, train)))(variables["params"])
     want = sum(jnp.vdot(g, t) for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(v), strict=True))
-    np.testing.assert_allclose(float(tangent), float(want), rtol=1e-10)
+    # Off the CPU jax differentiates max-pool's reduce-window in reduced precision ("Using reduced
+    # precision for gradient of reduce-window min/max operator", XLA:GPU has no pair reductions):
+    # 5e-7 / 9e-7 relative in train mode on an H200.
+    np.testing.assert_allclose(float(tangent), float(want), rtol=1e-10 if jax.default_backend() == "cpu" else 5e-6)
 
 
 def test_forward_over_reverse_hessian_vector_product(x64):
@@ -79,8 +82,9 @@ def test_forward_over_reverse_hessian_vector_product(x64):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-8, atol=1e-10 * np.abs(np.asarray(b)).max())
 
 
-def test_default_model_refuses_forward_mode():
-    # The documented limit of the default: jax's own error, not a wrong answer.
+def test_default_model_refuses_forward_mode(monkeypatch):
+    # The documented limit of the default on XLA:CPU: jax's own error, not a wrong answer.
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     fast, _, variables, x = _setup("resnet18", jnp.float32)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(_loss(fast, variables, x, False), (variables["params"],), (variables["params"],))
@@ -102,6 +106,7 @@ def test_default_follows_the_backend(monkeypatch):
     # default is jax's own rules, read from jax.default_backend() when the model is traced.
     fast, plain, variables, x = _setup("resnet18", jnp.float32)
     params, tangents = variables["params"], jax.tree.map(jnp.ones_like, variables["params"])
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the same test on a GPU host
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(_loss(fast, variables, x, True), (params,), (tangents,))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

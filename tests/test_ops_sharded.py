@@ -19,9 +19,11 @@ SPLITS = {"rows": P("d", None), "ranked_axis": P(None, "d")}
 
 @pytest.fixture(scope="module")
 def mesh():
-    if jax.device_count() < 8:
-        pytest.skip("needs 8 devices (tests/conftest.py sets JAX_NUM_CPU_DEVICES=8)")
-    return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    # The CPU devices by name: on a GPU host jax.devices() is the GPU alone.
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:
+        pytest.skip("needs 8 CPU devices (tests/conftest.py sets JAX_NUM_CPU_DEVICES=8)")
+    return jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,), devices=cpus[:8])
 
 
 @pytest.mark.parametrize("method", ["auto", "xla"])

@@ -16,7 +16,10 @@ BATCH, SIZE, STEPS = 16, 16, 2
 
 @functools.lru_cache  # the 8-device SyncBN run serves two tests
 def _train(num_devices, sync_bn, seed=0):
-    mesh = make_mesh(jax.devices()[:num_devices])
+    # The CPU devices by name: on a GPU host jax.devices() is the one GPU, and "1 against 8
+    # devices" would silently compare one device with itself.
+    mesh = make_mesh(jax.devices("cpu")[:num_devices])
+    assert mesh.devices.size == num_devices, "tests/conftest.py sets JAX_NUM_CPU_DEVICES=8"
     model = build("resnet18", num_classes=10, zero_init_residual=True, bn_axis_name="data" if sync_bn else None)
     variables = model.init(jax.random.key(seed), np.zeros((1, SIZE, SIZE, 3), np.float32))
     tx = optim.sgd(0.05, momentum=0.9, weight_decay=1e-4)
