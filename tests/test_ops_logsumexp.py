@@ -127,6 +127,20 @@ def test_logsumexp_errors_name_the_argument():
         logsumexp(jnp.zeros((2, 3)), axis=2)
     with pytest.raises(ConfigError, match=r"`b` has shape \(4,\)"):
         logsumexp(jnp.zeros((2, 3)), b=jnp.ones(4))
+    x = jnp.zeros((2, 3))
+    cases = [
+        # A complex b was cast to real, dropping the imaginary part (scipy returns a complex result).
+        (lambda: logsumexp(x, b=jnp.ones((2, 3)) * (1 + 2j)), "`b` has complex dtype complex64"),
+        (lambda: logsumexp(x, where=jnp.ones((2, 3))), "`where` has dtype float32; pass a bool mask"),
+        (lambda: logsumexp(np.array(["a"])), "`a` must be an array of numbers or bools"),
+        (lambda: logsumexp(x, axis=True), r"`axis` \(=True\) must be None, an int"),
+        (lambda: logsumexp(x, keepdims="yes"), r"`keepdims` \(='yes'\) must be True or False"),
+        (lambda: jax.jit(lambda a, s: logsumexp(a, -1, return_sign=s))(x, True), "`return_sign` is traced"),
+        (lambda: logsumexp(x, axis_name="i"), r"`axis_name` \(='i'\) names no mesh axis here.*shard_map"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            call()
 
 
 def test_default_threshold_sends_small_inputs_to_the_shifted_path(monkeypatch):

@@ -9,7 +9,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxport.ops import hard_negative_mask, logsumexp
+from jaxport.ops import hard_negative_mask, logsumexp, rank, topk_mask
 from jaxport.ops._rank import rank_impl
 from jaxport.ops._topk import topk_mask_impl
 from tests.test_ops_data import tricky, to_torch, torch_rank
@@ -97,3 +97,27 @@ def test_logsumexp_axis_name_gradient_is_softmax(mesh):
     want = jax.nn.softmax(x[1:], axis=-1)
     np.testing.assert_allclose(np.asarray(g[1:]), np.asarray(want), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(g[0]), 0.0)  # all -inf: zero, not NaN
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_explicit_mesh_the_default_of_make_mesh_since_jax_0_9(mesh, split):
+    # On an Explicit mesh jax refuses a sort or reduction along a sharded dimension at trace
+    # time ("Arguments to sort must be unsharded over the sorting dimension"); the ops gather the
+    # ranked axis themselves and hand back x's own sharding.
+    explicit = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=mesh.devices.ravel())
+    x = tricky((16, 96), "float32", seed=10)
+    k = np.random.default_rng(10).integers(-2, 100, 16).astype(np.int32)
+    sharding = NamedSharding(explicit, SPLITS[split])
+    xs = jax.device_put(x, sharding)
+    want = torch_rank(to_torch(x, "float32"), -1, True)
+    for method in ("auto", "xla"):
+        ranks = jax.jit(lambda v: rank(v, -1, True, method=method))(xs)
+        np.testing.assert_array_equal(np.asarray(ranks), want)
+        assert ranks.sharding.spec == sharding.spec
+        mask = jax.jit(lambda v: topk_mask(v, k, -1, True, method=method))(xs)
+        np.testing.assert_array_equal(np.asarray(mask), want < k[:, None])
+        assert mask.sharding.spec == sharding.spec
+    loss = np.abs(x) + 0.5
+    positive = np.random.default_rng(11).random((16, 96)) < 0.1
+    hn = jax.jit(hard_negative_mask)(jax.device_put(loss, sharding), jax.device_put(positive, sharding))
+    np.testing.assert_array_equal(np.asarray(hn), np.asarray(hard_negative_mask(loss, positive)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from jaxport._errors import ConfigError
-from jaxport.ops import hard_negative_mask, topk_mask
+from jaxport.ops import hard_negative_mask, rank, topk_mask
 from jaxport.ops._topk import topk_mask_impl
 from tests.test_ops_data import tricky, to_torch, torch_rank
 
@@ -180,3 +180,62 @@ def test_wide_integer_k_arrays_are_clamped_before_jax_narrows_them(method):
               np.array([2**31, 2**32 - 1, 3], np.uint32)):
         got = topk_mask_impl(x, k, -1, True, method=method)
         np.testing.assert_array_equal(np.asarray(got).sum(axis=-1), [4, 4, 3])
+
+
+@pytest.mark.parametrize("method", ["host", "xla"])
+@pytest.mark.parametrize("kdtype", ["int8", "uint8", "int16", "uint16"])
+def test_narrow_integer_k_arrays_are_clamped_in_int32(method, kdtype):
+    """Clamping in k's own dtype wrapped the row length: n = 300 became 44 in uint8."""
+    n = 300 if kdtype in ("uint8", "int8") else 70000
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((2, n)), jnp.float32)
+    k = np.array([100, 50] if kdtype != "uint16" else [65535, 4000], kdtype)
+    for kk in (k, jnp.asarray(k)):
+        got = jax.jit(lambda v, kk: topk_mask(v, kk, method=method))(x, kk)
+        want = _torch_topk(np.asarray(x), "float32", k.astype(np.int64), -1, True)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(got).sum(-1), k.astype(np.int64))
+
+
+def test_method_xla_makes_the_ops_exportable():
+    # jax.export cannot serialize the CPU host kernels' callbacks; method="xla" is the way.
+    from jax import export
+
+    x = tricky((4, 37), "float32", seed=3)
+    k = np.array([0, 5, 37, 40], np.int32)
+    positive = x > 1.0
+    loss = np.abs(np.nan_to_num(x, posinf=9.0, neginf=0.0))
+
+    def f(v, kk, pos, ls):
+        return (rank(v, method="xla"), topk_mask(v, kk, method="xla"),
+                hard_negative_mask(ls, pos, method="xla"))
+
+    # (Exported.serialize() would need the optional flatbuffers package; export itself already
+    # serializes the module, which is where the host callbacks fail.)
+    restored = export.export(jax.jit(f), platforms=("cpu",))(x, k, positive, loss)
+    for got, want in zip(restored.call(x, k, positive, loss), f(x, k, positive, loss), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(restored.call(x, k, positive, loss)[0]),
+                                  torch_rank(to_torch(x, "float32"), -1, False))
+
+
+def test_argument_kinds_are_checked():
+    x = jnp.zeros((2, 4))
+    cases = [
+        (lambda: topk_mask(x, 1, largest=None), r"`largest` \(=None\) must be True or False"),
+        (lambda: rank(x, descending="no"), r"`descending` \(='no'\) must be True or False"),
+        (lambda: rank(x, axis=True), r"`axis` \(=True\) must be an int"),
+        (lambda: rank(np.array(["b", "a"])), r"`x` must be an array of numbers or bools, got ndarray of dtype <U1"),
+        (lambda: topk_mask(np.array([1, None]), 1), r"`x` must be an array of numbers or bools"),
+        (lambda: hard_negative_mask(x, None), r"`positive` is None"),
+        (lambda: hard_negative_mask(x, jnp.ones((2, 4)) * 0.5), r"`positive` has dtype float32"),
+        (lambda: rank(x, method="numpy"), r"`method` \(='numpy'\) must be one of 'auto', 'xla', 'host'"),
+        (lambda: jax.jit(rank, static_argnums=1)(x, -1, True), r"`descending` is traced.*static_argnames"),
+        (lambda: jax.jit(topk_mask, static_argnums=(1, 2))(x, 1, -1, False), r"`largest` is traced"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            call()
+    # An integer mask counts nonzero entries as positive, as torch's labels > 0 would.
+    loss = jnp.array([[0.1, 2.0, 0.5, 3.0]])
+    np.testing.assert_array_equal(np.asarray(hard_negative_mask(loss, jnp.array([[0, 0, 0, 7]]), 1)),
+                                  np.asarray(hard_negative_mask(loss, jnp.array([[False, False, False, True]]), 1)))

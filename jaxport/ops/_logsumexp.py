@@ -9,7 +9,7 @@ import numpy as np
 from jax import lax
 
 from .._errors import ConfigError
-from ._checks import normalize_axes
+from ._checks import check_flag, normalize_axes, to_array
 
 
 def logsumexp(
@@ -31,7 +31,7 @@ def logsumexp(
                   return_sign=s)        == scipy.special.logsumexp(a, axis, b=b, return_sign=s)
 
     computed as ``m + log(sum(b * exp(a - m)))`` with ``m = stop_gradient(max(a))`` (0 where the
-    max is not finite). Without `b` and `axis_name`, and from 32768 elements up, a single pass
+    max is not finite). On XLA:CPU, without `b` and `axis_name`, from 32768 elements up, a single pass
     ``log(sum(exp(a)))`` is used whenever its sum is provably exact (finite and far above the
     underflow range; typical logits), which skips the max pass; anything else takes the
     shifted path. Both give the same result to float rounding.
@@ -44,7 +44,9 @@ def logsumexp(
 
     With `axis_name` (inside ``jax.shard_map``) the reduction also spans that mesh axis: each
     device reduces its shard, then one ``pmax`` and one ``psum`` combine them, so a logsumexp
-    over a class axis split across devices is a single call.
+    over a class axis split across devices is a single call. (Its gradient is the unsharded
+    one under `shard_map`'s default ``check_vma=True``; with ``check_vma=False`` jax cannot tell
+    replicated from per-device values and scales it by the axis size, as for any psum.)
 
     Args:
       a: the array (integers are promoted to the default float type).
@@ -61,8 +63,9 @@ def logsumexp(
       The result in `a`'s (floating) dtype; a pair ``(result, sign)`` if `return_sign`.
 
     Raises:
-      ConfigError: `axis` is out of range or repeats, `a` is complex, or `b` / `where` do not
-        broadcast to `a`.
+      ConfigError: `axis` is out of range or repeats, `a` or `b` is complex or not numbers,
+        `where` is not bool, `b` / `where` do not broadcast to `a`, `keepdims` / `return_sign`
+        are not bools known when tracing, or `axis_name` is used outside ``jax.shard_map``.
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -72,9 +75,11 @@ def logsumexp(
       >>> jax.grad(lambda x: logsumexp(x))(jnp.full(3, -jnp.inf, jnp.float32))
       Array([0., 0., 0.], dtype=float32)
     """
-    a = jnp.asarray(a)
+    a = to_array(a, "a")
     if jnp.issubdtype(a.dtype, jnp.complexfloating):
         raise ConfigError(f"`a` has complex dtype {a.dtype}; logsumexp here takes real arrays")
+    keepdims = check_flag(keepdims, "keepdims")
+    return_sign = check_flag(return_sign, "return_sign")
     if not jnp.issubdtype(a.dtype, jnp.floating):
         a = a.astype(jnp.result_type(float))
     out_dtype = a.dtype
@@ -83,10 +88,16 @@ def logsumexp(
     a = a.astype(work)
     dims = normalize_axes(axis, a.ndim)
     if b is not None:
-        b = jnp.asarray(b).astype(work)
-        b = _broadcast(b, a.shape, "b")
+        b = to_array(b, "b")
+        if jnp.issubdtype(b.dtype, jnp.complexfloating):
+            # Casting would drop the imaginary part: scipy gives a complex result here.
+            raise ConfigError(f"`b` has complex dtype {b.dtype}; logsumexp here takes real scale factors")
+        b = _broadcast(b.astype(work), a.shape, "b")
     if where is not None:
-        where = _broadcast(jnp.asarray(where, bool), a.shape, "where")
+        where = to_array(where, "where")
+        if where.dtype != bool:
+            raise ConfigError(f"`where` has dtype {where.dtype}; pass a bool mask, e.g. where=mask > 0")
+        where = _broadcast(where, a.shape, "where")
     if b is not None:
         # As in scipy, entries with b == 0 are ignored, even where `a` is inf or NaN.
         where = b != 0 if where is None else where & (b != 0)
@@ -170,7 +181,13 @@ def _shifted_sum(a, b, dims, axis_name):
     # The shift is a constant for differentiation (the result does not depend on it).
     m = lax.stop_gradient(jnp.max(a, axis=dims, keepdims=True, initial=-jnp.inf))
     if axis_name is not None:
-        m = lax.pmax(m, axis_name)
+        try:
+            m = lax.pmax(m, axis_name)
+        except NameError:
+            raise ConfigError(
+                f"`axis_name` (={axis_name!r}) names no mesh axis here: it reduces across devices only "
+                f"inside jax.shard_map over a mesh with that axis; outside it, leave axis_name=None"
+            ) from None
     m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), a.dtype))
     e = jnp.exp(a - m)
     if b is not None:

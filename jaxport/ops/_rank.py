@@ -7,11 +7,12 @@ from jax import lax
 
 from . import _host
 from ._callback import host_call
-from ._checks import normalize_axis
+from ._checks import check_flag, check_method, normalize_axis, to_array
 from ._keys import order_key
+from ._sharding import gather_axis
 
 
-def rank(x: jax.Array, axis: int = -1, descending: bool = False) -> jax.Array:
+def rank(x: jax.Array, axis: int = -1, descending: bool = False, *, method: str = "auto") -> jax.Array:
     """Each element's position in the stable sorted order of its slice along `axis`.
 
     Semantics, exactly torch's double sort::
@@ -26,18 +27,23 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False) -> jax.Array:
     One sort of an order-preserving integer key gives the permutation; scattering ``arange``
     into it gives the ranks (no second sort). On the CPU backend the sort runs in numpy on XLA's
     own buffers (XLA:CPU's sort is far slower); elsewhere it is XLA's stable sort. Both
-    paths return identical results. Works under `jit`, `vmap` and on sharded inputs.
+    paths return identical results. Works under `jit`, `vmap` and on sharded inputs (a sharded
+    `axis` is gathered first; inside `jax.shard_map` each device ranks its own shard).
 
     Args:
       x: floating, integer or bool array.
       axis: the axis to rank along.
       descending: rank from the largest (rank 0) instead of the smallest.
+      method: "auto" (the host sort on the CPU backend, XLA's sort elsewhere) or "xla" (XLA's
+        sort everywhere). `jax.export` cannot serialize the host sort's callback: export with
+        ``method="xla"``. ("host" forces the host sort, through `jax.pure_callback` off the CPU.)
 
     Returns:
       int32 array of `x`'s shape; each slice along `axis` is a permutation of ``0..n-1``.
 
     Raises:
-      ConfigError: `axis` is out of range, or `x` is complex.
+      ConfigError: `axis` is out of range, `descending` is not a bool known when tracing,
+        `method` is unknown, or `x` is complex or not numbers.
 
     Example:
       >>> import jax.numpy as jnp
@@ -47,17 +53,20 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False) -> jax.Array:
       >>> rank(jnp.array([3.0, -0.0, jnp.nan, 0.0, 1.0]), descending=True)
       Array([1, 3, 0, 4, 2], dtype=int32)
     """
-    return rank_impl(x, axis, descending)
+    return rank_impl(x, axis, descending, method)
 
 
 def rank_impl(x, axis: int = -1, descending: bool = False, method: str = "auto") -> jax.Array:
     """`rank` with the kernel choice exposed: "auto" (host sort on CPU), "host" or "xla"."""
-    x = jnp.asarray(x)
+    x = to_array(x, "x")
     axis = normalize_axis(axis, x.ndim)
+    descending = check_flag(descending, "descending")
+    method = check_method(method)
     if x.ndim == 0 or x.shape[axis] == 0:
         return jnp.zeros(x.shape, jnp.int32)
+    x, restore = gather_axis(x, axis)
     key = jnp.moveaxis(order_key(x, descending), axis, -1)
-    return jnp.moveaxis(rank_keys(key, method), -1, axis)
+    return restore(jnp.moveaxis(rank_keys(key, method), -1, axis))
 
 
 def rank_keys(key: jax.Array, method: str = "auto") -> jax.Array:

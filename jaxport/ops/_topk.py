@@ -11,11 +11,12 @@ from jax import lax
 from .._errors import ConfigError
 from . import _host
 from ._callback import host_call
-from ._checks import normalize_axis
+from ._checks import check_flag, check_method, normalize_axis, to_array
 from ._keys import order_key
+from ._sharding import gather_axis
 
 
-def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True) -> jax.Array:
+def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: str = "auto") -> jax.Array:
     """Marks the k largest (or smallest) elements of each slice along `axis`.
 
     Semantics, exactly torch's double-sort idiom::
@@ -31,7 +32,8 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True) -> jax.Arra
     integer view of `x` (numpy's introselect on the CPU backend; elsewhere an XLA bisection of
     32 fused compare-and-count passes), and ties at that key are resolved by index
     with a cumulative count. Both paths return identical results. Works under `jit`, `vmap`
-    and on sharded inputs.
+    and on sharded inputs (a sharded `axis` is gathered first; inside `jax.shard_map` each device
+    selects within its own shard).
 
     Args:
       x: floating, integer or bool array.
@@ -39,13 +41,17 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True) -> jax.Arra
         ``x.shape`` without `axis` (for a 2-D `x` and ``axis=-1``: shape ``(rows,)``).
       axis: the axis along which to select.
       largest: select the largest elements; False selects the smallest.
+      method: "auto" (the host kernel on the CPU backend, the XLA bisection elsewhere) or "xla"
+        (the bisection everywhere). `jax.export` cannot serialize the host kernel's callback:
+        export with ``method="xla"``.
 
     Returns:
       bool array of `x`'s shape; each slice has ``clip(k, 0, n)`` True entries.
 
     Raises:
-      ConfigError: `axis` is out of range, `k` is not an integer or does not broadcast, or
-        `x` is complex.
+      ConfigError: `axis` is out of range, `k` is not an integer or does not broadcast,
+        `largest` is not a bool known when tracing, `method` is unknown, or `x` is complex or
+        not numbers.
 
     Example:
       >>> import jax.numpy as jnp
@@ -55,24 +61,27 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True) -> jax.Arra
       Array([[False,  True,  True, False],
              [ True, False, False, False]], dtype=bool)
     """
-    return topk_mask_impl(x, k, axis, largest)
+    return topk_mask_impl(x, k, axis, largest, method)
 
 
 def topk_mask_impl(x, k, axis: int = -1, largest: bool = True, method: str = "auto") -> jax.Array:
-    """`topk_mask` with the kernel choice exposed: "auto" (host on CPU), "host" or "xla"."""
-    x = jnp.asarray(x)
+    """`topk_mask` with the kernel choice: "auto" (host on CPU), "host" or "xla"."""
+    x = to_array(x, "x")
     axis = normalize_axis(axis, x.ndim)
+    largest = check_flag(largest, "largest")
+    method = check_method(method)
     if x.ndim == 0:
         x = x[None]
         return topk_mask_impl(x, k, 0, largest, method)[0]
     batch_shape = x.shape[:axis] + x.shape[axis + 1 :]
     kk = _per_slice_k(k, batch_shape, x.shape[axis])
+    x, restore = gather_axis(x, axis)
     key = jnp.moveaxis(order_key(x, descending=largest), axis, -1)
-    return jnp.moveaxis(select_keys(key, kk, method), -1, axis)
+    return restore(jnp.moveaxis(select_keys(key, kk, method), -1, axis))
 
 
 def hard_negative_mask(
-    loss: jax.Array, positive: jax.Array, neg_pos_ratio: int = 3, axis: int = -1
+    loss: jax.Array, positive: jax.Array, neg_pos_ratio: int = 3, axis: int = -1, *, method: str = "auto"
 ) -> jax.Array:
     """SSD hard-negative mining: the highest-loss non-positive entries, ratio per positive.
 
@@ -92,16 +101,19 @@ def hard_negative_mask(
 
     Args:
       loss: floating per-anchor losses, e.g. shape ``(batch, anchors)``.
-      positive: bool mask of matched (foreground) anchors, broadcastable to `loss`.
+      positive: bool mask of matched (foreground) anchors, broadcastable to `loss` (an integer
+        mask counts nonzero entries as positive).
       neg_pos_ratio: non-negative int, negatives kept per positive (SSD uses 3).
       axis: the anchor axis.
+      method: "auto" or "xla", as in `topk_mask` (``method="xla"`` for `jax.export`).
 
     Returns:
       bool array of `loss`'s shape marking the mined negatives.
 
     Raises:
-      ConfigError: `loss` is not floating, `positive` does not broadcast to it,
-        `neg_pos_ratio` is not a non-negative int, or `axis` is out of range.
+      ConfigError: `loss` is not floating, `positive` is not a bool or integer mask that
+        broadcasts to it, `neg_pos_ratio` is not a non-negative int, `axis` is out of range,
+        or `method` is unknown.
 
     Example:
       >>> import jax.numpy as jnp
@@ -111,13 +123,19 @@ def hard_negative_mask(
       >>> hard_negative_mask(loss, positive, neg_pos_ratio=2)
       Array([[False,  True, False,  True, False]], dtype=bool)
     """
-    loss = jnp.asarray(loss)
+    loss = to_array(loss, "loss")
+    method = check_method(method)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ConfigError(f"`loss` has dtype {loss.dtype}; pass floating losses, e.g. loss.astype(jnp.float32)")
     if loss.ndim == 0:
         raise ConfigError("`loss` is a scalar; pass per-anchor losses with at least one axis")
     axis = normalize_axis(axis, loss.ndim)
-    positive = jnp.asarray(positive)
+    if positive is None:
+        raise ConfigError("`positive` is None; pass the bool mask of matched (foreground) anchors")
+    positive = to_array(positive, "positive")
+    if not (positive.dtype == bool or jnp.issubdtype(positive.dtype, jnp.integer)):
+        raise ConfigError(f"`positive` has dtype {positive.dtype}; pass a bool mask of matched anchors, "
+                          f"e.g. labels > 0")
     try:
         positive = jnp.broadcast_to(positive.astype(bool), loss.shape)
     except ValueError:
@@ -142,11 +160,13 @@ def hard_negative_mask(
         k = jnp.zeros_like(num_pos)
     else:
         k = jnp.where(num_pos > rest // ratio, rest, ratio * num_pos)
+    loss, restore = gather_axis(loss, axis)
+    positive, _ = gather_axis(positive, axis)
     key = order_key(loss, descending=True)
     # Positives get a key above every float's key, so they rank after all non-positives.
     key = jnp.where(positive, jnp.array(np.iinfo(key.dtype).max, key.dtype), key)
     key = jnp.moveaxis(key, axis, -1)
-    return jnp.moveaxis(select_keys(key, k, "auto"), -1, axis)
+    return restore(jnp.moveaxis(select_keys(key, k, method), -1, axis))
 
 
 def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
@@ -165,6 +185,9 @@ def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
         # wrapping 2**32 + 1 to 1.
         k = np.clip(k, 0, n).astype(np.int32)
     k = jnp.asarray(k)
+    if k.dtype.itemsize < 4:
+        # Clamp in int32: in k's own (u)int8 / (u)int16 dtype a row length of 300 wraps to 44.
+        k = k.astype(jnp.int32)
     try:
         k = jnp.broadcast_to(k, batch_shape)
     except ValueError:
