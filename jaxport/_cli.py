@@ -117,7 +117,9 @@ def _port_source(out: Path) -> str | None:
 
 
 def _is_port_of(source: str, ckpt: Path) -> bool:
-    return source in ("", str(ckpt.resolve())) or (os.sep not in source and source == ckpt.name)
+    # A file that records no source ('') is not a port: `jaxport train`'s variables and files
+    # written by `jaxport.save_variables` record none, and were replaced without --force.
+    return bool(source) and (source == str(ckpt.resolve()) or (os.sep not in source and source == ckpt.name))
 
 
 def _refuse_overwrite(out: Path, force: bool, unless: str) -> None:
@@ -145,8 +147,9 @@ def _default_port_output(ckpt: Path, force: bool) -> Path:
     # (The checkpoint itself is never the output: `_check_output` refuses that, --force or not.)
     if out.exists() and not force:
         source = _port_source(out)
-        held = "is not a jaxport variables file" if source is None else f"holds the port of '{source}', not of " \
-            f"'{ckpt.name}'"
+        held = ("is not a jaxport variables file" if source is None else
+                "holds jaxport variables that were not ported from a checkpoint (trained or saved weights)"
+                if not source else f"holds the port of '{source}', not of '{ckpt.name}'")
         if source is None or not _is_port_of(source, ckpt):
             raise ConfigError(f"the default output '{out}' already exists and {held}; nothing was overwritten: "
                               "pass --out to name the output, or --force to replace it")
@@ -177,8 +180,10 @@ def _cmd_port(args) -> int:
         # Decided before any work, so a refused output costs nothing.
         out = Path(args.out) if args.out else _default_port_output(ckpt, args.force)
         _check_output(out, ckpt, "checkpoint")
-        if args.out and _port_source(out) is None:  # re-porting over an earlier port is the usual re-run
-            _refuse_overwrite(out, args.force, " and is not a jaxport variables file (an earlier port is replaced)")
+        # Re-porting over an earlier port is the usual re-run; trained or saved variables record no
+        # source ('') and are kept like any other file.
+        if args.out and not _port_source(out):
+            _refuse_overwrite(out, args.force, " and is not an earlier port of a checkpoint (an earlier port is replaced)")
         t0 = time.perf_counter()
         step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
         state_dict = _load_checkpoint(str(ckpt), args)

@@ -313,3 +313,21 @@ def test_files_of_the_other_kind_are_named(tmp_path, resnet18_checkpoint, capsys
     misnamed = tmp_path / "misnamed.safetensors"
     shutil.copy(resnet18_checkpoint, misnamed)
     assert main(["port", str(misnamed), "--out", str(tmp_path / "m.safetensors")]) == 0
+
+
+def test_port_never_replaces_trained_or_saved_variables(tmp_path, monkeypatch, capsys):
+    """`jaxport train`'s variables and `jaxport.save_variables` files record no source; port read
+    that as 'an earlier port' and replaced them without --force, by --out and by default name."""
+    monkeypatch.chdir(tmp_path)
+    sd = reference("resnet18").state_dict()
+    variables = torch_compat.torch_to_flax(sd)
+    for name in ("variables.safetensors", "trained.safetensors"):
+        jaxport.save_variables(name, variables, arch="resnet18")
+    kept = {name: Path(name).read_bytes() for name in ("variables.safetensors", "trained.safetensors")}
+    torch.save(sd, "variables.pt")
+    assert main(["port", "variables.pt"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "were not ported from a checkpoint", "--force")
+    assert main(["port", "variables.pt", "--out", "trained.safetensors"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "is not an earlier port of a checkpoint", "--force")
+    assert {name: Path(name).read_bytes() for name in kept} == kept
+    assert main(["port", "variables.pt", "--out", "trained.safetensors", "--force"]) == 0
