@@ -147,10 +147,13 @@ def _default_port_output(ckpt: Path, force: bool) -> Path:
     # (The checkpoint itself is never the output: `_check_output` refuses that, --force or not.)
     if out.exists() and not force:
         source = _port_source(out)
-        held = ("is not a jaxport variables file" if source is None else
-                "holds jaxport variables that were not ported from a checkpoint (trained or saved weights)"
-                if not source else f"holds the port of '{source}', not of '{ckpt.name}'")
         if source is None or not _is_port_of(source, ckpt):
+            if source is None:
+                held = "is not a jaxport variables file"
+            elif not source:
+                held = "holds jaxport variables that were not ported from a checkpoint (trained or saved weights)"
+            else:
+                held = f"holds the port of '{source}', not of '{ckpt.name}'"
             raise ConfigError(f"the default output '{out}' already exists and {held}; nothing was overwritten: "
                               "pass --out to name the output, or --force to replace it")
     return out

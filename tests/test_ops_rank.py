@@ -11,7 +11,6 @@ import pytest
 
 from jaxport._errors import ConfigError
 from jaxport.ops import rank
-from jaxport.ops._rank import rank_impl
 
 from tests.test_ops_data import tricky, to_torch, torch_rank
 
@@ -26,7 +25,7 @@ SHAPES_AXES = [((13,), 0), ((4, 37), -1), ((4, 37), 0), ((3, 5, 19), 1), ((3, 5,
 def test_rank_matches_torch_double_sort(shape, axis, dtype, descending, method):
     x = tricky(shape, dtype)
     want = torch_rank(to_torch(x, dtype), axis, descending)
-    got = rank_impl(jnp.asarray(x), axis, descending, method=method)
+    got = rank(jnp.asarray(x), axis, descending, method=method)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -44,7 +43,7 @@ def test_rank_public_jit_equals_eager_and_torch(descending):
 @pytest.mark.parametrize("method", ["auto", "host", "xla"])
 def test_rank_vmap_equals_loop(method):
     x = tricky((5, 4, 23), "float32", seed=2)
-    f = lambda v: rank_impl(v, 0, True, method=method)  # noqa: E731
+    f = lambda v: rank(v, 0, True, method=method)  # noqa: E731
     batched = jax.vmap(f, in_axes=1, out_axes=1)(x)
     want = torch_rank(to_torch(x, "float32"), 0, True)
     np.testing.assert_array_equal(np.asarray(batched), want)

@@ -10,8 +10,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxport.ops import hard_negative_mask, logsumexp, rank, topk_mask
-from jaxport.ops._rank import rank_impl
-from jaxport.ops._topk import topk_mask_impl
 from tests.test_ops_data import tricky, to_torch, torch_rank
 
 SPLITS = {"rows": P("d", None), "ranked_axis": P(None, "d")}
@@ -33,12 +31,12 @@ def test_rank_and_topk_sharded_equal_unsharded_and_torch(mesh, split, method):
     k = np.random.default_rng(7).integers(-2, 100, 16).astype(np.int32)
     xs = jax.device_put(x, NamedSharding(mesh, SPLITS[split]))
     ks = jax.device_put(k, NamedSharding(mesh, P("d") if split == "rows" else P()))
-    ranks = jax.jit(lambda x: rank_impl(x, -1, True, method=method))(xs)
-    mask = jax.jit(lambda x, k: topk_mask_impl(x, k, -1, True, method=method))(xs, ks)
+    ranks = jax.jit(lambda x: rank(x, -1, True, method=method))(xs)
+    mask = jax.jit(lambda x, k: topk_mask(x, k, -1, True, method=method))(xs, ks)
     want = torch_rank(to_torch(x, "float32"), -1, True)
     np.testing.assert_array_equal(np.asarray(ranks), want)
     np.testing.assert_array_equal(np.asarray(mask), want < k[:, None])
-    np.testing.assert_array_equal(np.asarray(rank_impl(x, -1, True, method=method)), np.asarray(ranks))
+    np.testing.assert_array_equal(np.asarray(rank(x, -1, True, method=method)), np.asarray(ranks))
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -63,7 +61,7 @@ def test_hard_negative_and_logsumexp_sharded_equal_unsharded(mesh, split):
 def test_rank_inside_shard_map_per_device_rows(mesh):
     x = tricky((16, 50), "float32", seed=9)
     rows = P("d", None)
-    f = jax.jit(jax.shard_map(lambda v: rank_impl(v, -1, False), mesh=mesh, in_specs=rows, out_specs=rows))
+    f = jax.jit(jax.shard_map(lambda v: rank(v, -1, False), mesh=mesh, in_specs=rows, out_specs=rows))
     np.testing.assert_array_equal(np.asarray(f(x)), torch_rank(to_torch(x, "float32"), -1, False))
 
 

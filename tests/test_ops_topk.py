@@ -11,7 +11,6 @@ import torch
 
 from jaxport._errors import ConfigError
 from jaxport.ops import hard_negative_mask, rank, topk_mask
-from jaxport.ops._topk import topk_mask_impl
 from tests.test_ops_data import tricky, to_torch, torch_rank
 
 DTYPES = ["float32", "float16", "bfloat16", "int32", "uint8"]
@@ -42,7 +41,7 @@ def test_topk_mask_matches_torch_rank_below_k(shape, axis, dtype, largest, k_kin
     batch_shape = tuple(s for i, s in enumerate(shape) if i != axis % len(shape))
     k = _k(k_kind, batch_shape, shape[axis])
     want = _torch_topk(x, dtype, k, axis, largest)
-    got = topk_mask_impl(jnp.asarray(x), k, axis, largest, method=method)
+    got = topk_mask(jnp.asarray(x), k, axis, largest, method=method)
     assert got.dtype == jnp.bool_
     np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -59,7 +58,7 @@ def test_topk_mask_jit_and_vmap_equal_eager(method):
     x = tricky((6, 4, 41), "float32", seed=5)
     k = np.random.default_rng(0).integers(-1, 43, (6, 4)).astype(np.int32)
     want = _torch_topk(x, "float32", k, -1, True)
-    f = lambda x, k: topk_mask_impl(x, k, -1, True, method=method)  # noqa: E731
+    f = lambda x, k: topk_mask(x, k, -1, True, method=method)  # noqa: E731
     np.testing.assert_array_equal(np.asarray(f(x, k)), want)
     np.testing.assert_array_equal(np.asarray(jax.jit(f)(x, k)), want)
     np.testing.assert_array_equal(np.asarray(jax.vmap(f)(x, k)), want)
@@ -155,7 +154,7 @@ def test_hard_negative_mask_errors_name_the_argument():
 def test_masked_loss_is_differentiable_through_the_mask(method):
     # The SSD use: gradients flow to the selected losses; the mask itself is constant.
     loss = jnp.array([[3.0, 1.0, 2.0, 5.0], [0.5, 4.0, 4.0, 1.0]])
-    f = lambda x: jnp.sum(jnp.where(topk_mask_impl(x, 2, -1, True, method=method), x, 0.0))  # noqa: E731
+    f = lambda x: jnp.sum(jnp.where(topk_mask(x, 2, -1, True, method=method), x, 0.0))  # noqa: E731
     np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(f))(loss)), [[1, 0, 0, 1], [0, 1, 1, 0]])
     g = jax.grad(lambda x: jnp.sum(jnp.where(hard_negative_mask(x, x > 4.5, 1), x, 0.0)))(loss)
     np.testing.assert_array_equal(np.asarray(g), [[1, 0, 0, 0], [0, 0, 0, 0]])
@@ -178,7 +177,7 @@ def test_wide_integer_k_arrays_are_clamped_before_jax_narrows_them(method):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 4)), jnp.float32)
     for k in (np.array([2**32 + 1, 2**31, 3], np.int64), np.array([2**32, 2**63, 3], np.uint64),
               np.array([2**31, 2**32 - 1, 3], np.uint32)):
-        got = topk_mask_impl(x, k, -1, True, method=method)
+        got = topk_mask(x, k, -1, True, method=method)
         np.testing.assert_array_equal(np.asarray(got).sum(axis=-1), [4, 4, 3])
 
 

@@ -53,11 +53,6 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False, *, method: str 
       >>> rank(jnp.array([3.0, -0.0, jnp.nan, 0.0, 1.0]), descending=True)
       Array([1, 3, 0, 4, 2], dtype=int32)
     """
-    return rank_impl(x, axis, descending, method)
-
-
-def rank_impl(x, axis: int = -1, descending: bool = False, method: str = "auto") -> jax.Array:
-    """`rank` with the kernel choice exposed: "auto" (host sort on CPU), "host" or "xla"."""
     x = to_array(x, "x")
     axis = normalize_axis(axis, x.ndim)
     descending = check_flag(descending, "descending")

@@ -61,18 +61,13 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: 
       Array([[False,  True,  True, False],
              [ True, False, False, False]], dtype=bool)
     """
-    return topk_mask_impl(x, k, axis, largest, method)
-
-
-def topk_mask_impl(x, k, axis: int = -1, largest: bool = True, method: str = "auto") -> jax.Array:
-    """`topk_mask` with the kernel choice: "auto" (host on CPU), "host" or "xla"."""
     x = to_array(x, "x")
     axis = normalize_axis(axis, x.ndim)
     largest = check_flag(largest, "largest")
     method = check_method(method)
     if x.ndim == 0:
         x = x[None]
-        return topk_mask_impl(x, k, 0, largest, method)[0]
+        return topk_mask(x, k, 0, largest, method=method)[0]
     batch_shape = x.shape[:axis] + x.shape[axis + 1 :]
     kk = _per_slice_k(k, batch_shape, x.shape[axis])
     x, restore = gather_axis(x, axis)
