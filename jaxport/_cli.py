@@ -86,7 +86,8 @@ _WORKDIR_FILES = ("checkpoints", "variables.safetensors", "metrics.jsonl", "trai
 
 def _check_output(out: Path, src: Path, what: str) -> None:
     """Refuse an output path that would destroy the input, that is a directory, or whose
-    directory cannot be made (a parent is a file): before any work, so a refusal costs nothing."""
+    directory cannot be made or written (a parent is a file, no permission, a read-only file
+    system): before any work, so a refusal costs nothing."""
     inside_run = src.is_dir() and any(
         out.resolve() == (src / name).resolve() or out.resolve().is_relative_to((src / name).resolve())
         for name in _WORKDIR_FILES)
@@ -99,6 +100,12 @@ def _check_output(out: Path, src: Path, what: str) -> None:
     if blocking is not None:
         raise ConfigError(f"`--out` (={out}) cannot be written: '{blocking}' is a file, not a directory; "
                           "choose another output path")
+    from ._io import unwritable
+
+    reason = unwritable(out)
+    if reason is not None:
+        raise ConfigError(f"`--out` (={out}) cannot be written: {reason}; choose another output path, or make "
+                          "the directory writable")
 
 
 def _port_source(out: Path) -> str | None:
@@ -193,9 +200,12 @@ def _cmd_port(args) -> int:
         step("converting")
         arch = None if args.arch == "auto" else args.arch
         detected = torch_compat.detect_arch(state_dict) if arch is None else arch
-        variables = torch_compat.torch_to_flax(state_dict, detected)
+        dtype = None if args.dtype == "keep" else args.dtype
+        variables = torch_compat.torch_to_flax(state_dict, detected, dtype=dtype)
         t1 = time.perf_counter()
         dtypes = sorted({str(v.dtype) for v in state_dict.values() if v.is_floating_point()})
+        if dtype is not None and dtypes != [f"torch.{dtype}"]:
+            dtypes[-1] += f" cast to {dtype} (--dtype)"
         n_params = sum(int(v.numel()) for k, v in state_dict.items() if k.endswith(("weight", "bias")))
         print(f"architecture: {detected} ({'detected' if arch is None else 'given'}), "
               f"{_classes(detected, torch_compat.num_classes_of(state_dict))}, {len(state_dict)} tensors, "
@@ -207,7 +217,10 @@ def _cmd_port(args) -> int:
         ok = True
         if args.verify:
             step("cross-checking against torchvision")
-            ok = _print_reports(torch_compat.cross_check(state_dict, variables, arch=detected))
+            from torch_compat._convert import cast_floating
+
+            # The port holds the cast weights: it is checked against torch running those.
+            ok = _print_reports(torch_compat.cross_check(cast_floating(state_dict, dtype), variables, arch=detected))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
           if args.verify else f"next: jaxport verify {shlex.quote(str(ckpt))} {shlex.quote(str(out))}"
                               f"{_loading_flags(args)}")
@@ -235,6 +248,7 @@ def _cmd_verify(args) -> int:
             raise ConfigError(f"'{args.variables}' holds {recorded} variables but {other}: verify compares a "
                               "checkpoint with its own port; pass the variables `jaxport port` wrote for it")
         arch = held
+        state_dict = _as_ported(state_dict, variables, args.variables)
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
@@ -244,6 +258,24 @@ def _cmd_verify(args) -> int:
     ok = _print_reports(reports)
     print("verify: PASS" if ok else "verify: FAIL: beyond tolerance")
     return 0 if ok else EXIT_MISMATCH
+
+
+def _as_ported(state_dict, variables, shown: str):
+    """The checkpoint's weights in the dtype its port holds: a `jaxport port --dtype` port equals
+    torch's cast of the checkpoint, so that is what it is checked against."""
+    from torch_compat._convert import cast_floating
+
+    from ._io import flatten
+
+    ported = {np_dtype.name for np_dtype in (getattr(v, "dtype", None) for v in flatten(variables).values())
+              if np_dtype is not None and (np_dtype.kind == "f" or np_dtype.name == "bfloat16")}
+    held = {str(v.dtype).removeprefix("torch.") for v in state_dict.values() if v.is_floating_point()}
+    if len(ported) != 1 or held == ported:
+        return state_dict
+    (dtype,) = ported
+    print(f"note: '{shown}' holds {dtype} weights and the checkpoint {'/'.join(sorted(held))}: checking it "
+          f"against the checkpoint cast to {dtype}, as `jaxport port --dtype {dtype}` writes it")
+    return cast_floating(state_dict, dtype)
 
 
 def _cmd_export(args) -> int:
@@ -352,6 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory, "
                                  "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
+    p.add_argument("--dtype", choices=("keep", "float32", "float16", "bfloat16"), default="keep",
+                   help="keep each tensor's dtype (default), or cast every floating tensor to this dtype, "
+                        "rounding as torch's tensor.to(dtype) does")
     p.add_argument("--force", action="store_true",
                    help="replace an existing output file that is not an earlier port of this checkpoint")
     loading(p)

@@ -67,6 +67,29 @@ def require_space(directory: str | os.PathLike, nbytes: int, what: str) -> None:
                                     f"{free / 1e6:.1f} MB are free there; free some space or write elsewhere")
 
 
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why a file cannot be written at `path`, or None: its directory refuses new files, or, when
+    the directory is still to be made, its nearest existing ancestor refuses new directories.
+    Asked by writing (and removing) a probe, since permission bits do not tell for root, read-only
+    mounts or special file systems. A parent that is a file is left to the caller to report."""
+    parent = Path(path).parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir():
+        return None
+    try:
+        if existing == parent:
+            with tempfile.TemporaryFile(dir=parent):
+                pass
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing))
+    except OSError as e:
+        if existing == parent:
+            return f"its directory '{parent}' does not accept new files ({e.strerror})"
+        return (f"its directory '{parent}' does not exist and cannot be made: '{existing}' does not accept new "
+                f"directories ({e.strerror})")
+    return None
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
@@ -76,13 +99,20 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
 
     Raises:
       OSError: (ENOSPC) `nbytes` will not fit on the file system, said before anything is
-        written (a full disk otherwise surfaces as the writer's own error, e.g. safetensors').
+        written (a full disk otherwise surfaces as the writer's own error, e.g. safetensors');
+        or the directory cannot be made or written, with `path` as the filename.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if nbytes is not None:
-        require_space(path.parent, nbytes, f"write '{path}'")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if nbytes is not None:
+            require_space(path.parent, nbytes, f"write '{path}'")
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        if e.filename is None:  # require_space's own message
+            raise
+        # Name the file asked for, not the hidden temporary one (or the first missing directory).
+        raise OSError(e.errno, e.strerror, str(path)) from e
     os.close(fd)
     try:
         yield Path(tmp)

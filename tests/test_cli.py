@@ -331,3 +331,73 @@ def test_port_never_replaces_trained_or_saved_variables(tmp_path, monkeypatch, c
     _assert_one_line_error(capsys.readouterr().err, "is not an earlier port of a checkpoint", "--force")
     assert {name: Path(name).read_bytes() for name in kept} == kept
     assert main(["port", "variables.pt", "--out", "trained.safetensors", "--force"]) == 0
+
+
+# --- regressions from the adversarial probe ------------------------------------------------
+
+def _unwritable_dir(tmp_path):
+    """A directory that refuses new files here: a read-only one, or /sys when running as root."""
+    import tempfile
+
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    for candidate in (read_only, Path("/sys")):
+        try:
+            with tempfile.TemporaryFile(dir=candidate):
+                pass
+        except OSError:
+            return candidate
+    pytest.skip("no directory refuses writes here (root, and /sys is writable)")
+
+
+def test_an_unwritable_out_is_refused_before_any_work(tmp_path, resnet18_checkpoint, capsys):
+    """It failed after the conversion, naming a hidden temporary file."""
+    locked = _unwritable_dir(tmp_path)
+    port = tmp_path / "r18.safetensors"
+    assert main(["port", str(resnet18_checkpoint), "--out", str(port)]) == 0
+    capsys.readouterr()
+    for out in (locked / "x.safetensors", locked / "missing" / "dir" / "x.safetensors"):
+        # The checkpoint does not exist: only a check made before loading names --out.
+        for argv in (["port", str(tmp_path / "nope.pth"), "--out", str(out)], ["export", str(port), "--out", str(out)]):
+            assert main(argv) == 2
+            err = capsys.readouterr().err
+            _assert_one_line_error(err, f"`--out` (={out}) cannot be written", "choose another output path")
+            assert ".tmp" not in err and "nope.pth" not in err
+    # A library write names the path asked for, not its temporary file.
+    with pytest.raises(OSError) as e:
+        jaxport.save_variables(locked / "v.safetensors", {"params": {"w": np.zeros(2, np.float32)}})
+    assert str(locked / "v.safetensors") in str(e.value) and ".tmp" not in str(e.value)
+
+
+def test_port_dtype_casts_like_torch_and_verifies(tmp_path, resnet18_checkpoint, capsys):
+    sd = torch.load(resnet18_checkpoint, weights_only=True)["model"]
+    for dtype in ("bfloat16", "float16"):
+        out = tmp_path / f"r18_{dtype}.safetensors"
+        assert main(["port", str(resnet18_checkpoint), "--out", str(out), "--dtype", dtype, "--verify"]) == 0
+        printed = capsys.readouterr().out
+        assert f"torch.float32 cast to {dtype} (--dtype)" in printed and "verify: PASS" in printed
+        back = torch_compat.flax_to_torch(jaxport.load_variables(out), "resnet18")
+        for k, t in sd.items():
+            expected = t.to(getattr(torch, dtype)) if t.is_floating_point() else t
+            assert back[k].dtype == expected.dtype and torch.equal(back[k], expected), k
+        # `jaxport verify` checks the port against the checkpoint cast as the port was
+        assert main(["verify", str(resnet18_checkpoint), str(out), "--mode", "eval"]) == 0
+        assert f"checking it against the checkpoint cast to {dtype}" in capsys.readouterr().out
+    up = tmp_path / "half.pth"
+    torch.save({k: v.half() if v.is_floating_point() else v for k, v in sd.items()}, up)
+    assert main(["port", str(up), "--out", str(tmp_path / "up.safetensors"), "--dtype", "float32"]) == 0
+    assert jaxport.load_variables(tmp_path / "up.safetensors")["params"]["fc"]["kernel"].dtype == np.float32
+
+
+def test_port_loads_metadata_saved_beside_the_weights(tmp_path, capsys):
+    """`torch.save({**model.state_dict(), "epoch": 3, "arch": "resnet18"})` was refused."""
+    sd = reference("resnet18").state_dict()
+    path = tmp_path / "meta.pth"
+    torch.save({**sd, "epoch": 3, "arch": "resnet18"}, path)
+    out = tmp_path / "meta.safetensors"
+    assert main(["port", str(path), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "jaxport: warning:" in captured.err and "'epoch' (int), 'arch' (str)" in captured.err
+    back = torch_compat.flax_to_torch(jaxport.load_variables(out), "resnet18")
+    assert all(torch.equal(back[k], v) for k, v in sd.items())

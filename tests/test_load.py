@@ -9,6 +9,7 @@ import os
 import pickle
 import re
 import struct
+import tarfile
 import warnings
 import zipfile
 
@@ -403,9 +404,14 @@ BROKEN = {
         lambda d: save({"epoch": 3, "optimizer": {"state": {}}}, d / "o.pt", "zip"),
         r"found top-level keys \['epoch', 'optimizer'\], looked for .*'model_state_dict'",
     ),
+    # Metadata beside the weights is ignored (test_metadata_beside_the_weights_is_ignored_with_a_note);
+    # tensors inside another value are not metadata: which weights are meant is unclear.
     "non_tensor_value": (
-        lambda d: save({"conv.weight": ONE, "epoch": 3}, d / "v.pt", "zip"),
-        "maps 'epoch' to an int, not a tensor",
+        lambda d: save({"conv.weight": ONE, "optimizer": {"state": {0: {"momentum_buffer": ONE}}}}, d / "v.pt", "zip"),
+        "maps 'optimizer' to a dict, not a tensor",
+    ),
+    "bare_names_beside_metadata": (
+        lambda d: save({"w": ONE, "epoch": 3}, d / "b.pt", "zip"), "maps 'epoch' to an int, not a tensor",
     ),
     "non_tensor_in_model": (
         lambda d: save({"model": {"w": ONE, "arch": "r50"}}, d / "m.pt", "zip"),
@@ -527,3 +533,108 @@ def test_a_jaxport_variables_file_is_named_as_such(tmp_path):
 def test_a_path_that_is_not_a_path_is_named():
     with pytest.raises(CheckpointError, match="`path` is builtins.NoneType; expected the path of a checkpoint file"):
         load_state_dict(None)
+
+
+# --- regressions from the adversarial probe ------------------------------------------------
+
+def test_a_tar_archive_is_named_for_what_it_holds(tmp_path):
+    """`tar cf x.pth r18.pth` was called torch's pre-0.4 format; --trusted then said 'truncated'."""
+    inner = save(tiny_net().state_dict(), tmp_path / "r18.pth", "zip")
+    archive = tmp_path / "x.pth"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(inner, arcname="r18.pth")
+    for trusted in (False, True):
+        with pytest.raises(CheckpointError) as e:
+            load_state_dict(archive, trusted=trusted)
+        message = one_line_error(e, archive)
+        assert "is a tar archive holding ['r18.pth'], not a checkpoint; extract the checkpoint" in message
+        assert "pre-0.4" not in message and "trusted" not in message and "truncated" not in message
+
+    legacy = tmp_path / "legacy.tar"  # the members torch < 0.4 wrote: still named as that format
+    with tarfile.open(legacy, "w") as tar:
+        for name in ("sys_info", "pickle", "storages", "tensors"):
+            tar.add(inner, arcname=name)
+    with pytest.raises(CheckpointError, match="pre-0.4 .tar format"):
+        load_state_dict(legacy)
+
+
+def _pickled(path, obj, protocol, how):
+    if how == "pickle.dump":
+        with open(path, "wb") as f:
+            pickle.dump(obj, f, protocol=protocol)
+    else:
+        torch.save(obj, path, pickle_protocol=protocol, _use_new_zipfile_serialization=how == "zip")
+    return path
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+@pytest.mark.parametrize("how", ["pickle.dump", "legacy", "zip"])
+def test_protocol_0_and_1_pickles_are_named_accurately(tmp_path, protocol, how):
+    """They were 'not a PyTorch checkpoint' (legacy) or 'protocol 4+' (zip). torch's weights-only
+    unpickler reads protocol 2+ only, and torch.load cannot read protocol 0 back at all."""
+    sd = tiny_net().state_dict()
+    path = _pickled(tmp_path / "old.pt", sd, protocol, how)
+    with pytest.raises(CheckpointError) as e:
+        load_state_dict(path)
+    message = one_line_error(e, path)
+    assert "nothing from the file was run" in message and "4+" not in message
+    if how == "pickle.dump":
+        assert f"is a pickle file (protocol {protocol}) but not a torch.save checkpoint" in message
+        assert "trusted" not in message
+    else:
+        assert f"torch.save(..., pickle_protocol={protocol})" in message
+        assert ("trusted=True" in message) == (protocol == 1)
+    if how != "pickle.dump" and protocol == 1:
+        assert_same(load_state_dict(path, trusted=True), sd)
+    elif how != "pickle.dump":
+        with pytest.raises(CheckpointError, match="cannot read back, trusted or not"):
+            load_state_dict(path, trusted=True)
+
+
+@pytest.mark.parametrize("protocol", [0, 1])
+@pytest.mark.parametrize("how", ["pickle.dump", "legacy"])
+def test_hostile_protocol_0_and_1_pickles_never_run(tmp_path, protocol, how):
+    marker = tmp_path / "payload_ran"
+    path = _pickled(tmp_path / "hostile.pt", {"model": tiny_net().state_dict(), "x": Payload(marker)}, protocol, how)
+    with pytest.raises(CheckpointError, match="nothing from the file was run"):
+        load_state_dict(path)
+    assert not marker.exists()
+
+
+def test_ema_takes_a_bare_averaged_model_state_dict(tmp_path):
+    """`--ema` on `AveragedModel(model).state_dict()` said the file had no EMA weights."""
+    net = tiny_net()
+    ema_model = AveragedModel(net, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    ema_model.update_parameters(tiny_net(seed=1))
+    assert not torch.equal(ema_model.module[0].weight, net[0].weight)
+    path = save(ema_model.state_dict(), tmp_path / "averaged.pt", "zip")
+    for ema in (True, False):  # the file is the averaged weights either way
+        assert_same(load_state_dict(path, ema=ema), ema_model.module.state_dict())
+    # under a state-dict key, too (n_averaged was kept and blocked removing `module.`)
+    path = save({"model": ema_model.state_dict(), "epoch": 1}, tmp_path / "wrapped.pt", "zip")
+    assert_same(load_state_dict(path), ema_model.module.state_dict())
+
+
+def test_a_trusted_torchscript_archive_loads_without_warnings(tmp_path):
+    """torch.jit.load's deprecation warning reached the user raw."""
+    path = _torchscript(tmp_path / "ts.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(load_state_dict(path, trusted=True), tiny_net().state_dict())
+    with pytest.raises(CheckpointError, match="is a TorchScript archive"):
+        load_state_dict(path)  # never run without trusted=True
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_metadata_beside_the_weights_is_ignored_with_a_note(tmp_path, fmt):
+    """`torch.save({**model.state_dict(), "epoch": 3, "arch": "resnet18"}, path)` was refused."""
+    sd = torchvision.models.resnet18().state_dict()
+    extras = {"epoch": 3, "arch": "resnet18", "best_acc1": 71.5, "args": {"lr": 0.1, "milestones": [30, 60]}}
+    path = save({**sd, **extras}, tmp_path / "with_meta.pth", fmt)
+    with pytest.warns(UserWarning, match=r"ignored 4 non-tensor entries of the top-level dict beside its weights: "
+                                         r"'epoch' \(int\), 'arch' \(str\), 'best_acc1' \(float\), 'args' \(dict\)"):
+        loaded = load_state_dict(path)
+    assert_same(loaded, sd)
+    path = save({"model": {**sd, "arch": "resnet18"}}, tmp_path / "nested.pth", fmt)
+    with pytest.warns(UserWarning, match=r"1 non-tensor entry of checkpoint\['model'\]"):
+        assert_same(load_state_dict(path), sd)

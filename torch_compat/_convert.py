@@ -246,13 +246,33 @@ def _check(
             shown = "; ".join(items[:8]) + (f"; ... ({len(items) - 8} more)" if len(items) > 8 else "")
             parts.append(f"{len(items)} {label}: {shown}")
     misfits = missing + unexpected + [w.split(":", 1)[0] for w in wrong]
-    if key_of == "torch_key" and not any(k.split(".", 1)[0] in BACKBONE_MODULES for k in misfits):
+    outside = key_of == "torch_key" and not any(k.split(".", 1)[0] in BACKBONE_MODULES for k in misfits)
+    if outside and "fc.weight" in found_shapes and not any(k.split(".", 1)[0] == "fc" for k in misfits):
+        # The backbone and torchvision's `fc` both fit: the extra keys are modules beside them, which
+        # --backbone-only would not keep any more than it keeps `fc`.
+        parts.append(_beside_the_head(arch, unexpected))
+    elif outside:
         # The backbone fits; what does not is outside it: a head that is not torchvision's one
         # Linear `fc` (e.g. `fc = Sequential(Dropout, Linear)`), a projection head: name the way out.
         parts.append("The backbone (conv1, bn1, layer1..layer4) fits; what does not is outside it. To port the "
                      "backbone alone (a model with num_classes=0 that returns the pooled features), drop the "
                      "rest with torch_compat.backbone_state_dict (CLI --backbone-only)")
     raise ConversionError(". ".join(parts))
+
+
+def _beside_the_head(arch: str, unexpected: list[str]) -> str:
+    """The way out when a full ResNet (backbone and `fc`) comes with extra, unexpected keys."""
+    nested = [p for p in _prefixes(unexpected)
+              if f"{p}conv1.weight" in unexpected and f"{p}layer1.0.conv1.weight" in unexpected]
+    if nested:  # e.g. a teacher or EMA copy stored beside the model
+        return (f"The backbone and the classifier fc fit; the unexpected keys hold another ResNet under "
+                f"{nested[0]!r}: to port that one, select it with prefix={nested[0]!r} (CLI --prefix {nested[0]}); "
+                f"to port this one, remove the keys under {nested[0]!r} from the state_dict")
+    groups = sorted({k.split(".", 1)[0] + ("." if "." in k else "") for k in unexpected})
+    return (f"The backbone and the classifier fc fit; the unexpected keys ({describe_keys(unexpected)}) are no part of "
+            f"torchvision's {arch}: remove them from the state_dict, e.g. "
+            f"{{k: v for k, v in state_dict.items() if not k.startswith({tuple(groups[:4])!r})}} (CLI: re-save the "
+            "checkpoint without them) and port again; --backbone-only would drop fc as well")
 
 
 def _num_classes(shapes: Mapping[str, tuple[int, ...]], fc_key: str, axis: int) -> int | None:
@@ -472,40 +492,54 @@ def _to_torch(a: Any) -> torch.Tensor:
 # --- public API -------------------------------------------------------------------------------
 
 
-def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = None) -> dict[str, dict]:
+def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = None, *,
+                  dtype: Any = None) -> dict[str, dict]:
     """Flax variables `{"params": ..., "batch_stats": ...}` for a torchvision ResNet state_dict.
 
     The inverse of `flax_to_torch`: conv weights OIHW -> HWIO, linear weights transposed,
     BatchNorm weight/bias -> params scale/bias and running_mean/var/num_batches_tracked ->
-    batch_stats mean/var/num_batches_tracked. Values are copied, never rounded: dtypes are kept
-    (float16 stays float16; bfloat16 becomes `ml_dtypes.bfloat16`, which jax reads natively;
-    float64 stays float64). `num_batches_tracked` becomes int32 (jax's default integer).
+    batch_stats mean/var/num_batches_tracked. With `dtype=None` values are copied, never
+    rounded: dtypes are kept (float16 stays float16; bfloat16 becomes `ml_dtypes.bfloat16`, which
+    numpy lacks and jax reads natively; float64 stays float64). `num_batches_tracked` becomes
+    int32 (jax's default integer).
 
     Args:
       state_dict: torch key -> tensor, without wrapper prefixes (see `load_state_dict`).
       arch: a torchvision ResNet name; None detects it with `detect_arch`. `num_classes` is
         always taken from `fc.weight`, so fine-tuned heads port; a state_dict with nothing under
         `fc.` is a backbone (`num_classes=0`, see `backbone_state_dict`).
+      dtype: None keeps every tensor's dtype. A floating dtype, as a name (``"float32"``,
+        ``"float16"``, ``"bfloat16"``, ``"float64"``), a numpy/jax/ml_dtypes type
+        (``np.float32``, ``jnp.bfloat16``) or a ``torch.dtype``, casts every floating tensor to
+        it, with the result equal bit for bit to torch's ``tensor.to(dtype)`` (round to nearest
+        even): ``torch_to_flax(sd, dtype="float32")`` upcasts a half-precision checkpoint
+        exactly, ``dtype="bfloat16"`` halves a float32 one. `num_batches_tracked` is not cast.
 
     Returns:
       Nested dicts of numpy arrays whose paths mirror torch's (`params/layer1/0/conv1/kernel`).
 
     Raises:
       ConversionError: listing every missing, unexpected and wrong-shape key, and the
-        architecture the weights look like when it is not `arch`.
+        architecture the weights look like when it is not `arch`; `dtype` is not one of the
+        floating dtypes above; or a value is beyond float16's range when casting to float16.
 
     Example:
       >>> import torchvision
       >>> variables = torch_to_flax(torchvision.models.resnet18().state_dict())
       >>> variables["params"]["conv1"]["kernel"].shape
       (7, 7, 3, 64)
+      >>> half = torch_to_flax(torchvision.models.resnet18().state_dict(), dtype="bfloat16")
+      >>> half["params"]["fc"]["kernel"].dtype
+      dtype(bfloat16)
     """
+    cast = _torch_dtype(dtype)  # checked before any work
     arch = detect_arch(state_dict) if arch is None else arch  # both check `state_dict`'s type
     entries = check_state_dict(state_dict, arch)
     # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
     # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.
+    # A cast happens one tensor at a time, inside the copy: never a second copy of every weight.
     def convert(e: Entry):
-        return _convert_tensor(e, state_dict.get(e.torch_key))
+        return _convert_tensor(e, _cast(e.torch_key, state_dict.get(e.torch_key), cast))
 
     big = [e for e in entries if e.torch_key in state_dict and _nbytes(state_dict[e.torch_key]) >= _PARALLEL_MIN_BYTES]
     big.sort(key=lambda e: -_nbytes(state_dict[e.torch_key]))  # largest first balances the threads
@@ -518,6 +552,45 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
         for name in e.flax_path[:-1]:
             node = node.setdefault(name, {})
         node[e.flax_path[-1]] = a
+    return out
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    """`torch_to_flax`'s `dtype` as a torch floating dtype; None keeps the dtypes."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, torch.dtype):
+        name = _FLOAT_DTYPES.get(dtype)
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            name = None
+    for torch_dtype, float_name in _FLOAT_DTYPES.items():
+        if name == float_name:
+            return torch_dtype
+    raise ConversionError(f"`dtype` (={dtype!r}) must be None (keep each tensor's dtype) or a floating dtype: "
+                          f"one of {', '.join(repr(n) for n in _FLOAT_DTYPES.values())}, e.g. dtype='float32'")
+
+
+def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: Any) -> dict[str, torch.Tensor]:
+    """The state_dict with every floating tensor cast to `dtype` by torch (`tensor.to(dtype)`): the
+    torch weights `torch_to_flax(state_dict, dtype=dtype)` equals, e.g. to cross-check that port.
+    `dtype` as in `torch_to_flax`; None returns the tensors as they are."""
+    cast = _torch_dtype(dtype)
+    return {k: _cast(k, v, cast) for k, v in state_dict.items()}
+
+
+def _cast(key: str, t: Any, dtype: torch.dtype | None) -> Any:
+    if dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    out = t.to(dtype)
+    # A narrower range turns big finite values into inf (torch does so silently): refuse that.
+    if torch.finfo(dtype).max < torch.finfo(t.dtype).max and not torch.equal(torch.isfinite(out), torch.isfinite(t)):
+        big = float(t[torch.isfinite(t) & ~torch.isfinite(out)].abs().max())
+        raise ConversionError(f"state_dict[{key!r}] holds {big:g}, beyond {_FLOAT_DTYPES[dtype]}'s range (max "
+                              f"{torch.finfo(dtype).max:g}), so the cast to `dtype` (CLI --dtype) would make it inf: "
+                              "cast to a wider dtype (bfloat16 keeps float32's range), or keep the dtype")
     return out
 
 

@@ -7,6 +7,13 @@ Three on-disk formats are recognised by their first bytes, never by the file ext
   (pickle ``PROTO`` opcode ``\\x80`` followed by the protocol number);
 - ``safetensors``: an 8-byte little-endian header length followed by the JSON header ``{``.
 
+Look-alikes are named for what they are: a tar archive is torch's pre-0.4 format only when it
+holds that format's members (``sys_info``, ``pickle``, ``storages``, ``tensors``), otherwise it
+is an archive to extract; pickles of protocol 0 or 1 (no ``PROTO`` opcode) are torch.save files
+only when they start with torch's magic number. torch's weights-only unpickler reads protocol 2
+and up, so a ``pickle_protocol=1`` file needs ``trusted=True``, and torch cannot read its own
+``pickle_protocol=0`` files back at all.
+
 torch files are read with ``weights_only=True`` (only tensors, containers, numbers, strings and
 `argparse.Namespace` may be built) and ``map_location="cpu"``, so a checkpoint written from CUDA
 tensors loads on a CPU-only machine. ``trusted=True`` switches to a full unpickle, which can run
@@ -18,7 +25,11 @@ Training scripts wrap the weights; `load_state_dict` unwraps them deterministica
 ``state_dict_ema`` / ``model_ema_state_dict`` / ``ema_state_dict``. Then the prefixes wrappers
 put on every key, ``module.`` (DataParallel / DDP / AveragedModel), ``_orig_mod.``
 (torch.compile) and ``model.`` (LightningModule attribute), are removed, each only when *every*
-key carries it.
+key carries it. A bare ``AveragedModel(model).state_dict()`` (``module.*`` and its
+``n_averaged`` counter) is the averaged weights, with or without ``ema=True``. Metadata saved
+beside the weights in one dict (``{**model.state_dict(), "epoch": 3}``) is dropped with a
+warning naming it, when no such value holds a tensor and every tensor is named like a module's
+(``conv1.weight``); anything else that is not a tensor is an error.
 """
 from __future__ import annotations
 
@@ -30,7 +41,9 @@ import os
 import pickle
 import pickletools
 import re
+import tarfile
 import warnings
+import zipfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -104,11 +117,13 @@ def load_state_dict(
 
     Args:
       path: a `torch.save` file (zip or legacy format, any extension) or a ``.safetensors`` file.
-      trusted: allow a full unpickle (``weights_only=False``), e.g. for a pickled ``nn.Module``,
-        whose ``state_dict()`` is then taken. It can run arbitrary code from the file.
+      trusted: allow a full unpickle (``weights_only=False``), e.g. for a pickled ``nn.Module``
+        or a TorchScript archive, whose ``state_dict()`` is then taken (torch.jit's deprecation
+        warning is not passed on). It can run arbitrary code from the file.
       ema: take the EMA copy of the weights (``model_ema``, ``ema``, ``state_dict_ema``,
-        ``model_ema_state_dict`` or ``ema_state_dict``); an error if the file has none. Without
-        it an EMA copy is never chosen.
+        ``model_ema_state_dict`` or ``ema_state_dict``, or the file itself when it is a bare
+        ``AveragedModel`` state dict); an error if the file has none. Without it an EMA copy
+        stored beside the model is never chosen.
       mmap: memory-map zip-format files instead of reading them (about 2x faster load+convert,
         see the benchmark). The tensors then share pages with the file: do not overwrite or
         truncate the file in place while they are alive (the process dies with SIGBUS), e.g.
@@ -123,9 +138,14 @@ def load_state_dict(
       A plain dict, keys in file order (safetensors: data order), wrapper prefixes removed,
       tensors on CPU with their stored dtypes (bf16/fp16 kept).
 
+    Warns:
+      UserWarning: naming the non-tensor entries (``epoch``, ``arch``, ...) saved beside the
+        weights in the same dict, which are left out.
+
     Raises:
       CheckpointError: the path is missing, a directory, empty, truncated, corrupt or not a
-        checkpoint; its pickle needs globals outside the weights-only set (nothing was run);
+        checkpoint (e.g. a tar or zip archive holding one: extract it); its pickle needs
+        globals outside the weights-only set, or uses pickle protocol 0/1 (nothing was run);
         it holds no recognisable state dict; no key is under `prefix`; or torch is too old
         for untrusted loading.
 
@@ -222,11 +242,90 @@ def _sniff(shown: str) -> str:
     if len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
     if head[257:262] == b"ustar":
-        return "tar"  # torch.save before 0.4 (legacy .tar)
+        return _sniff_tar(shown)
+    old_protocol = _old_pickle(head)
+    if old_protocol is not None:
+        torch_magic = _starts_with_torch_magic(head)
+        if torch_magic and old_protocol == 1:
+            return "pickle1"  # a full unpickle (trusted) reads it
+        raise CheckpointError(_old_pickle_message(shown, old_protocol, torch_magic=torch_magic))
     raise CheckpointError(
         f"'{shown}' is not a PyTorch or safetensors checkpoint: it looks like "
         f"{_describe(head)}; expected a torch.save file (.pt/.pth/.bin) or a .safetensors file"
     )
+
+
+# The members of a torch.save file written before torch 0.4 (a tar archive).
+_LEGACY_TAR_MEMBERS = {"sys_info", "pickle", "storages", "tensors"}
+
+
+def _sniff_tar(shown: str) -> str:
+    """"tar" for torch's pre-0.4 tar checkpoint; any other tar archive is named for what it holds."""
+    try:
+        with tarfile.open(shown, mode="r:") as tar:  # lists the members; nothing is extracted
+            names = tar.getnames()
+    except (tarfile.TarError, OSError) as e:
+        raise CheckpointError(f"'{shown}' is a tar archive that cannot be read ({e}); it is not a checkpoint: "
+                              "re-download it, or extract the checkpoint from it") from e
+    if _LEGACY_TAR_MEMBERS <= set(names):
+        return "tar"
+    held = _short_list(names, 5) if names else "no files"
+    raise CheckpointError(f"'{shown}' is a tar archive holding {held}, not a checkpoint; extract the checkpoint "
+                          f"from it (tar xf '{shown}') and pass that file")
+
+
+# What protocol 0 and 1 pickles start with (protocol 2+ start with PROTO): a MARK, an empty
+# dict/list/tuple, a GLOBAL or an integer (torch.save's legacy magic number).
+_OLD_PICKLE_STARTS = {"MARK", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "GLOBAL", "LONG", "INT"}
+# torch.save's legacy format writes this number as its first pickle (torch/serialization.py).
+_TORCH_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def _old_pickle(head: bytes) -> int | None:
+    """0 or 1 when `head` reads as a protocol 0/1 pickle stream (its highest opcode protocol)."""
+    ops, start = [], 0
+    with contextlib.suppress(ValueError):  # the stream runs past the 512 bytes read, or is no pickle
+        while start < len(head):  # torch.save's legacy format is several pickles in a row
+            for opcode, _arg, pos in pickletools.genops(head[start:]):
+                ops.append(opcode)
+            start += pos + 1
+    if len(ops) < 3 or ops[0].name not in _OLD_PICKLE_STARTS or any(op.proto > 1 for op in ops):
+        return None
+    return max(op.proto for op in ops)
+
+
+def _starts_with_torch_magic(head: bytes) -> bool:
+    with contextlib.suppress(ValueError):
+        for opcode, arg, _pos in pickletools.genops(head):
+            return opcode.name in ("LONG", "LONG1", "INT") and arg == _TORCH_MAGIC
+    return False
+
+
+def _old_pickle_message(shown: str, protocol: int, *, torch_magic: bool) -> str:
+    if not torch_magic:
+        return (f"'{shown}' is a pickle file (protocol {protocol}) but not a torch.save checkpoint (no torch magic "
+                "number; e.g. written by pickle.dump), which torch.load cannot read; nothing from the file was run. "
+                "Save the weights with torch.save(model.state_dict(), path)")
+    if protocol == 0:
+        return (f"checkpoint '{shown}' was written by torch.save(..., pickle_protocol=0), which torch.load cannot read "
+                "back, trusted or not (protocol 0 turns torch's storage references into strings); nothing from the "
+                "file was run. Save the weights again from the model, with torch.save's default pickle protocol")
+    return (f"checkpoint '{shown}' was written by torch.save(..., pickle_protocol=1), whose opcodes the weights-only "
+            "loader does not read (it reads protocol 2 and up); nothing from the file was run. Re-save it with "
+            f"torch.save's default pickle protocol, or {_TRUSTED_HINT}")
+
+
+def _zip_pickle_protocol(shown: str) -> int | None:
+    """The pickle protocol of a torch.save zip's `data.pkl` (0 or 1 for old protocols), if readable."""
+    with contextlib.suppress(Exception):  # best effort, only to word an error
+        with zipfile.ZipFile(shown) as z:
+            name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            with z.open(name) as f:
+                head = f.read(512)
+        if head[:1] == pickle.PROTO:
+            return head[1]
+        return _old_pickle(head)
+    return None
 
 
 def _describe(head: bytes) -> str:
@@ -247,6 +346,8 @@ def _describe(head: bytes) -> str:
 # --- torch.save files -----------------------------------------------------------------------
 
 def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
+    if kind == "pickle1" and not trusted:  # torch's weights-only unpickler would fail on its first opcode
+        raise CheckpointError(_old_pickle_message(shown, 1, torch_magic=True))
     if not trusted:
         safe, message = weights_only_is_safe()
         if not safe and _torch_version() < _MIN_TORCH:
@@ -258,6 +359,11 @@ def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
             # torch warns before refusing a TorchScript archive; the error below says it all.
             for noise in (".*TorchScript archive", "Detected pickle protocol"):
                 warnings.filterwarnings("ignore", message=noise, category=UserWarning)
+            if trusted:
+                # A trusted TorchScript archive is read by torch.jit.load, which warns that it is
+                # deprecated: only its state_dict is kept, so nothing of TorchScript is used later.
+                for category in (FutureWarning, DeprecationWarning):
+                    warnings.filterwarnings("ignore", message=r".*torch\.jit", category=category)
             with contextlib.ExitStack() as stack:
                 source: Any = shown
                 if shown.endswith(".safetensors"):
@@ -283,7 +389,8 @@ def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
     except pickle.UnpicklingError as e:
         if trusted:
             raise CheckpointError(_corrupt_message(shown, kind, e)) from e
-        raise CheckpointError(_refusal_message(shown, str(e))) from e
+        protocol = _zip_pickle_protocol(shown) if kind == "zip" else None
+        raise CheckpointError(_refusal_message(shown, str(e), protocol)) from e
     except Exception as e:  # torch, zip and pickle raise many types for one broken file
         raise CheckpointError(_corrupt_message(shown, kind, e)) from e
     if isinstance(obj, torch.nn.Module):  # only reachable with trusted=True
@@ -291,7 +398,7 @@ def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
     return obj
 
 
-def _refusal_message(shown: str, torch_message: str) -> str:
+def _refusal_message(shown: str, torch_message: str, protocol: int | None = None) -> str:
     inner = torch_message.split("WeightsUnpickler error:")[-1]
     inner = inner.split("Check the documentation of torch.load")[0]
     inner = " ".join(inner.split())
@@ -301,6 +408,11 @@ def _refusal_message(shown: str, torch_message: str) -> str:
     if found is not None:
         global_name = _py3_name(found.group(1))
         what = f"imports `{global_name}`, which is outside the weights-only allowed set"
+    elif protocol is not None and protocol < 2 and "Unsupported operand" in inner:
+        if protocol == 0:
+            return _old_pickle_message(shown, 0, torch_magic=True)
+        what = ("uses pickle protocol 1 (torch.save(..., pickle_protocol=1)), whose opcodes the weights-only loader "
+                "does not read (it reads protocol 2 and up)")
     elif (op := re.search(r"Unsupported operand (\d+)", inner)) is not None:
         opcode = pickletools.code2op.get(chr(int(op.group(1))))
         name = opcode.name if opcode else op.group(1)
@@ -334,6 +446,8 @@ def _py3_name(full: str) -> str:
 def _corrupt_message(shown: str, kind: str, error: BaseException) -> str:
     text = " ".join(str(error).split()) or "unexpected end of data"
     text = text.split(". This is an internal miniz error")[0]
+    if "saved_id must be a tuple" in text:  # torch's own persistent ids, unpickled as strings
+        return _old_pickle_message(shown, 0, torch_magic=True)
     if kind == "zip":
         if "central directory" in text:
             problem = "the zip archive has no central directory"
@@ -350,7 +464,7 @@ def _corrupt_message(shown: str, kind: str, error: BaseException) -> str:
             )
         else:
             problem = f"reading the zip archive failed ({type(error).__name__}: {text})"
-    elif kind == "pickle":
+    elif kind in ("pickle", "pickle1"):
         if "Invalid magic number" in text:
             return (
                 f"'{shown}' is a pickle file but not a torch.save checkpoint (no torch magic "
@@ -444,11 +558,11 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         value = obj[key]
         if isinstance(value, torch.nn.Module):
             value = value.state_dict()
-        if ema:
-            # torch.optim.swa_utils.AveragedModel counts its updates in a buffer beside `module.`
-            value = {k: v for k, v in value.items() if k != "n_averaged"}
-        return f"checkpoint[{key!r}]", value
+        return f"checkpoint[{key!r}]", _without_n_averaged(value)
     shown_keys = _short_list(keys)
+    if ema and _is_averaged_model(obj):
+        # The file is `AveragedModel(model).state_dict()` itself: these are the averaged weights.
+        return "the top-level AveragedModel state dict", _without_n_averaged(obj)
     if ema:
         what = (
             f"a plain state dict ({len(keys)} tensors)" if is_flat
@@ -459,11 +573,9 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
             f"{list(EMA_KEYS)}; load it without ema (CLI: drop --ema)"
         )
     if is_flat or any(isinstance(v, torch.Tensor) for v in obj.values()):
-        # A state dict at the top level; non-tensor values are reported by _check_tensors.
-        if "n_averaged" in obj and all(k.startswith("module.") for k in keys if k != "n_averaged"):
-            # A bare AveragedModel state dict (the file holds only these weights).
-            obj = {k: v for k, v in obj.items() if k != "n_averaged"}
-        return "the top-level dict", obj
+        # A state dict at the top level (a bare AveragedModel's too); non-tensor values are
+        # dealt with by _check_tensors.
+        return "the top-level dict", _without_n_averaged(obj)
     hint = ""
     ema_found = [k for k in EMA_KEYS if k in obj and _is_weights(obj[k])]
     if ema_found:
@@ -475,6 +587,17 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         f"{shown_keys}, looked for a dict of tensors or one of the keys {list(STATE_DICT_KEYS)}"
         f"{hint or '; save model.state_dict() with torch.save'}"
     )
+
+
+def _is_averaged_model(sd: Any) -> bool:
+    """`torch.optim.swa_utils.AveragedModel(model).state_dict()`: the update counter `n_averaged`
+    beside the averaged model's weights, all under `module.`."""
+    return (isinstance(sd, Mapping) and isinstance(sd.get("n_averaged"), torch.Tensor) and len(sd) > 1
+            and all(isinstance(k, str) and k.startswith("module.") for k in sd if k != "n_averaged"))
+
+
+def _without_n_averaged(sd: Mapping) -> Mapping:
+    return {k: v for k, v in sd.items() if k != "n_averaged"} if _is_averaged_model(sd) else sd
 
 
 def _a(noun: str) -> str:
@@ -493,6 +616,13 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
             f"checkpoint '{shown}': {where} is empty; expected a state dict of tensors; re-save "
             "it with torch.save(model.state_dict(), path)"
         )
+    extras = _ignorable_extras(sd)
+    if extras:
+        listed = ", ".join(f"{k!r} ({type(sd[k]).__name__})" for k in extras[:6])
+        entries = "entry" if len(extras) == 1 else "entries"
+        warnings.warn(f"checkpoint '{shown}': ignored {len(extras)} non-tensor {entries} of {where} beside its "
+                      f"weights: {listed}{', ...' if len(extras) > 6 else ''}", UserWarning, stacklevel=3)
+        sd = {k: v for k, v in sd.items() if k not in extras}
     out = {}
     for key, value in sd.items():
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
@@ -515,6 +645,33 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
             "save it after loading or initialising the real weights"
         )
     return out
+
+
+def _ignorable_extras(sd: Mapping) -> list[str]:
+    """The keys of metadata saved beside the weights, `{**model.state_dict(), "epoch": 3, "arch":
+    "resnet18"}`: values that hold no tensor, beside tensors named like a module's (`conv1.weight`).
+    Empty when anything else is off (non-str keys, tensors nested in a value, bare tensor names),
+    which `_check_tensors` then reports."""
+    extras = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    tensor_keys = [k for k in sd if k not in extras]
+    if (not extras or not tensor_keys or not all(isinstance(k, str) for k in sd)
+            or not all("." in k for k in tensor_keys) or any(_holds_tensors(sd[k]) for k in extras)):
+        return []
+    return extras
+
+
+def _holds_tensors(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, (torch.Tensor, torch.nn.Module)):
+        return True
+    if depth > 8:  # a deeper structure is not metadata
+        return True
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, set)):
+        return any(_holds_tensors(v, depth + 1) for v in value)
+    return False
 
 
 def _strip_wrapper_prefixes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
