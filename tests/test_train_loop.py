@@ -169,6 +169,21 @@ def test_corrupt_checkpoint_on_resume(tmp_path):
         train(TrainConfig(**{**cfg.__dict__, "resume": True}))
 
 
+def test_resume_says_which_settings_changed(tmp_path):
+    """--resume may change the learning rate or the epochs (e.g. after a divergence), but never
+    silently: the checkpoint records the settings and the resumed run names each change."""
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=2, max_steps=1, lr=0.05,
+                      checkpoint_every=1000, progress=False, devices=1)
+    train(cfg)
+    same, changed = [], []
+    train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 2}), log=same.append)
+    assert "resuming from step 1" in same and not any("changed" in m for m in same), same
+    train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 3, "lr": 0.01, "epochs": 3,
+                         "sync_bn": True}), log=changed.append)
+    assert ("resuming from step 2 with changed settings: --epochs 3 (was 2), --lr 0.01 (was 0.05), --sync-bn True "
+            "(was False) (the cosine schedule now ends at the new --epochs)") in changed, changed
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("checkpoint_every", 0, r"`--checkpoint-every` \(=0\) must be >= 1"),  # was a ZeroDivisionError
     ("keep_checkpoints", 0, r"`--keep-checkpoints` \(=0\) must be >= 1"),

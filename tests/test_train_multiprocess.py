@@ -98,3 +98,72 @@ def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(tmp_pat
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     assert f"resuming from step {step}" in outs[0][1]
+
+
+def _run_two(tmp_path, per_process, timeout=300):
+    """Launch processes 0 and 1 with `ARGS` + `per_process[i]`; their (returncode, stderr)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", *ARGS, *extra, "--coordinator",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env=_env(2), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, extra in enumerate(per_process)]
+    return [(p.returncode, err) for p, (_, err) in zip(procs, [p.communicate(timeout=timeout) for p in procs])]
+
+
+def _clean_stop(results, pattern):
+    """Every process exits 2 with one error line matching `pattern`: no Python traceback, no C++
+    abort (jax's heartbeat/shutdown timeouts end in 'Check failure stack trace')."""
+    for i, (rc, err) in enumerate(results):
+        assert rc == 2, (i, err[-3000:])
+        assert "Traceback" not in err and "Check failure" not in err, (i, err[-3000:])
+        assert re.search(pattern, err), (i, err[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["flag", "init", "workdir"])
+def test_processes_started_differently_are_refused_on_every_process(tmp_path, case):
+    """A difference between the processes' launch lines trained silently wrong weights (another
+    --lr or --init on one process; only process 0's are saved), or hung (separate workdirs;
+    another --max-steps). Every process now refuses, naming the difference, before training."""
+    if case == "flag":
+        extra = [["--workdir", "w"], ["--workdir", "w", "--lr", "0.2"]]
+        pattern = r"different settings \(--lr: 0\.05 on process 0, 0\.2 on process 1\)"
+    elif case == "init":
+        import torch
+        import torchvision
+
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp_path / f"r18_{seed}.pth")
+        extra = [["--workdir", "w", "--init", f"r18_{i}.pth"] for i in range(2)]
+        pattern = r"different settings \(starting weights \(--init, --seed\): \w+ on process 0, \w+ on process 1\)"
+    else:
+        extra = [["--workdir", "w0"], ["--workdir", "w1"]]
+        pattern = (r"`--workdir` must be one directory that every process sees .*process 0 writes \S+w0, which "
+                   r"process 1 \(its --workdir: \S+w1\) cannot see")
+    _clean_stop(_run_two(tmp_path, extra), pattern + r".*nothing was trained")
+    for w in tmp_path.glob("w*"):
+        assert not (w / "checkpoints").exists() or not any((w / "checkpoints").iterdir())
+
+
+@pytest.mark.slow
+def test_one_process_failing_mid_run_stops_every_process_with_its_error(tmp_path):
+    """Process 1's images do not decode past their headers (same names, so the settings agree):
+    it stops at its first batch. Process 0, waiting in that step's collectives, was stuck until
+    jax's timeouts, then aborted in C++; now both stop within seconds, naming the image."""
+    from PIL import Image
+
+    for root in ("good", "bad"):
+        for c in ("a", "b"):
+            os.makedirs(tmp_path / root / c)
+            for i in range(20):
+                img = (np.random.default_rng(i).random((64, 64, 3)) * 255).astype(np.uint8)
+                Image.fromarray(img).save(tmp_path / root / c / f"{i}.jpg", quality=95)
+                if root == "bad":
+                    path = tmp_path / root / c / f"{i}.jpg"
+                    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    t0 = time.time()
+    results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d)] for d in ("good", "bad")])
+    _clean_stop(results, r"image \S+\.jpg cannot be decoded past its header")
+    assert re.search(r"^jaxport: error: process 1 stopped \(`--data`: image \S+bad\S+\.jpg cannot be decoded", results[0][1], re.M)
+    assert time.time() - t0 < 120  # jax's own timeouts are 100 s (heartbeat) and 300 s (shutdown)

@@ -15,20 +15,21 @@ BATCH, SIZE, STEPS = 16, 16, 2
 
 
 @functools.lru_cache  # the 8-device SyncBN run serves two tests
-def _train(num_devices, sync_bn, seed=0):
+def _train(num_devices, sync_bn, seed=0, steps=STEPS, dtype=np.float32):
     # The CPU devices by name: on a GPU host jax.devices() is the one GPU, and "1 against 8
     # devices" would silently compare one device with itself.
     mesh = make_mesh(jax.devices("cpu")[:num_devices])
     assert mesh.devices.size == num_devices, "tests/conftest.py sets JAX_NUM_CPU_DEVICES=8"
     model = build("resnet18", num_classes=10, zero_init_residual=True, bn_axis_name="data" if sync_bn else None)
-    variables = model.init(jax.random.key(seed), np.zeros((1, SIZE, SIZE, 3), np.float32))
+    variables = model.init(jax.random.key(seed), np.zeros((1, SIZE, SIZE, 3), dtype))
+    variables = jax.tree.map(lambda v: v.astype(dtype), variables)
     tx = optim.sgd(0.05, momentum=0.9, weight_decay=1e-4)
     state = create_state(variables, tx, mesh)
     step = make_train_step(model, tx, mesh)
     rng = np.random.default_rng(seed)
     losses = []
-    for _ in range(STEPS):
-        x = rng.standard_normal((BATCH, SIZE, SIZE, 3)).astype(np.float32)
+    for _ in range(steps):
+        x = rng.standard_normal((BATCH, SIZE, SIZE, 3)).astype(dtype)
         y = rng.integers(0, 10, BATCH)
         state, metrics = step(state, *shard_batch(mesh, x, y))
         losses.append(float(metrics["loss"]))
@@ -48,6 +49,15 @@ def test_sync_bn_same_weights_on_1_and_8_devices():
     # float32 rounding only: reductions are split differently over devices.
     assert _max_rel(jax.device_get(eight.variables), jax.device_get(one.variables)) < 1e-4
     assert int(eight.step) == STEPS
+
+
+def test_sync_bn_device_count_independence_is_exact_in_float64(x64):
+    """Beyond a couple of float32 steps the two runs drift apart (rounding in differently split
+    sums flips ReLUs; the README says so); in float64 they stay equal over more steps."""
+    one, _ = _train(1, sync_bn=True, steps=4, dtype=np.float64)
+    eight, _ = _train(8, sync_bn=True, steps=4, dtype=np.float64)
+    assert jax.tree.leaves(eight.params)[0].dtype == np.float64
+    assert _max_rel(jax.device_get(eight.variables), jax.device_get(one.variables)) < 1e-10
 
 
 def test_per_device_bn_keeps_replicas_identical():

@@ -1,7 +1,11 @@
 """Multi-process set-up: `jax.distributed.initialize`, explicit or detected from the cluster."""
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -9,8 +13,9 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
 
-from .._errors import ConfigError
+from .._errors import ConfigError, JaxportError
 
 # Environment variables that mean "launched as one of several processes" for the cluster kinds
 # jax.distributed auto-detects (SLURM, Open MPI, Kubernetes/JobSet).
@@ -137,3 +142,195 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         jax.distributed.initialize()
         return True
     return False
+
+
+def _allgather_bytes(data: bytes) -> list[bytes]:
+    """Every process's `data`, in process order (a collective: all processes must call it)."""
+    from jax.experimental import multihost_utils
+
+    sizes = multihost_utils.process_allgather(np.array([len(data)], np.int32))
+    longest = int(np.max(sizes))
+    padded = np.zeros(longest, np.uint8)
+    padded[:len(data)] = np.frombuffer(data, np.uint8)
+    rows = multihost_utils.process_allgather(padded)
+    return [bytes(rows[i][:int(sizes[i][0])]) for i in range(len(rows))]
+
+
+def _show(value) -> str:
+    if isinstance(value, list) and len(value) > 4:
+        return f"[{', '.join(map(str, value[:4]))}, ... ({len(value)} items)]"
+    return str(value)
+
+
+def check_same_settings(settings: dict) -> None:
+    """Refuse a multi-process run whose processes were started with different settings.
+
+    Every process trains its share of the same global step, so any difference is a silent
+    error or a hang: another `--lr` or `--seed` trains other weights on that process (and only
+    process 0's are saved); another `--max-steps` or data set leaves the others waiting in a
+    collective forever. `settings` maps a flag (as the user types it) to a JSON-able value; all
+    processes exchange theirs and each raises the same error naming every difference.
+
+    Raises:
+      ConfigError: the processes' settings differ (naming the flag and each process's value).
+    """
+    if jax.process_count() == 1:
+        return
+    mine = json.dumps(settings, sort_keys=True, default=str).encode()
+    every = [json.loads(b) for b in _allgather_bytes(mine)]
+    if all(s == every[0] for s in every):
+        return
+    diffs = []
+    for flag in sorted({k for s in every for k in s}):
+        values = [s.get(flag, "(not set)") for s in every]
+        if any(v != values[0] for v in values):
+            per = ", ".join(f"{_show(v)} on process {i}" for i, v in enumerate(values))
+            diffs.append(f"{flag}: {per}")
+    raise ConfigError(f"the {len(every)} processes were started with different settings ({'; '.join(diffs)}); "
+                      "every process must run the same command apart from --process-id (nothing was trained)")
+
+
+def agree_min(value: int) -> int:
+    """The smallest of every process's `value` (e.g. the batch each one's memory allows)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.array([value], np.int64))))
+
+
+def check_shared_workdir(workdir: str) -> None:
+    """Refuse a multi-process run whose processes do not all see process 0's `workdir`.
+
+    Orbax writes each checkpoint from every process into one directory and process 0 commits
+    it, so the workdir must be the same directory on every process (one shared file system).
+    Separate directories hung in orbax's commit barrier, then failed with "No such file".
+    Process 0 leaves a marker file, every process looks for it, all agree on the outcome.
+
+    Raises:
+      ConfigError: some process does not see the marker (naming those processes).
+    """
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    token = _allgather_bytes(secrets.token_hex(8).encode())[0].decode()  # process 0's
+    marker = os.path.join(workdir, f".jaxport-shared-{token}")
+    if jax.process_index() == 0:
+        with open(marker, "w") as f:
+            f.write("written by process 0 of a `jaxport train` run to check that every process sees this "
+                    "directory; removed right away\n")
+    multihost_utils.sync_global_devices("jaxport: workdir marker written")
+    seen = os.path.exists(marker)
+    mine = json.dumps([seen, os.path.abspath(workdir)]).encode()
+    every = [json.loads(b) for b in _allgather_bytes(mine)]
+    if jax.process_index() == 0:
+        os.remove(marker)
+    blind = [i for i, (ok, _) in enumerate(every) if not ok]
+    if blind:
+        shown = ", ".join(f"process {i} (its --workdir: {every[i][1]})" for i in blind)
+        raise _everywhere(f"`--workdir` must be one directory that every process sees (a shared file system): "
+                           f"process 0 writes {every[0][1]}, which {shown} cannot see. Checkpoints are written "
+                           "by all processes together; pass a --workdir on a file system shared by every machine "
+                           "(nothing was trained)")
+
+
+def _everywhere(message: str) -> ConfigError:
+    """An error every process raises at the same point, so none needs telling (`publish_failure`)."""
+    err = ConfigError(message)
+    err.every_process = True
+    return err
+
+
+# A process that stops alone leaves the others blocked in the step's collectives, where nothing
+# reaches them: they hung until jax's heartbeat or shutdown timeouts (minutes) and then aborted
+# with C++ stack traces. So a stopping process writes its error into the coordination service's
+# key-value store, and every process watches it: all stop within a second, each printing the
+# cause. Each then exits with os._exit, skipping jax's shutdown barrier (which would wait for the
+# processes stuck in a collective), process 0 last: it hosts the service.
+_FAILED, _EXITING = "jaxport/failed/", "jaxport/exiting/"
+EXIT_FAILED = 2  # the CLI's status for an error
+_POLL_S, _EXIT_WAIT_S = 0.5, 10.0
+_watch = {"started": False, "published": False}
+
+
+def _client():
+    from jax._src import distributed  # the coordination service client jax.distributed made
+
+    return distributed.global_state.client
+
+
+def _senders(client, prefix: str) -> set[int]:
+    return {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
+
+
+def _exit_together(client, code: int) -> None:
+    """os._exit(code); process 0 last, since it hosts the service (the others abort in C++
+    when it disappears first) and the store the others may still be reading."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    me, n = jax.process_index(), jax.process_count()
+    if me != 0:
+        with contextlib.suppress(Exception):
+            client.key_value_set(_EXITING + str(me), "1")
+        os._exit(code)
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if len(_senders(client, _EXITING)) >= n - 1:
+                time.sleep(0.2)  # their os._exit, just after they said so
+                break
+        except Exception:  # noqa: BLE001
+            break
+        time.sleep(0.1)
+    os._exit(code)
+
+
+def watch_for_failures() -> None:
+    """In a multi-process run, stop this process (status 2, one line) as soon as another one
+    stops with an error (`publish_failure`). A process killed outright (SIGKILL, a lost machine)
+    cannot say so: then jax's own heartbeat timeout (100 s) stops the others, with its message."""
+    if jax.process_count() == 1 or _watch["started"]:
+        return
+    _watch["started"] = True
+    client, me = _client(), jax.process_index()
+
+    def loop():
+        while True:
+            time.sleep(_POLL_S)
+            try:
+                failed = dict(client.key_value_dir_get(_FAILED))
+            except Exception:  # noqa: BLE001 - the service is shutting down: the run is over
+                return
+            others = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in failed.items()
+                            if int(k.rsplit("/", 1)[1]) != me)
+            if others and not _watch["published"]:  # a process that failed itself exits from atexit
+                who, why = others[0]
+                print(f"\njaxport: error: process {who} stopped ({why}), so process {me} stops too; fix the cause "
+                      "and start every process again (--resume continues from the latest checkpoint)",
+                      file=sys.stderr, flush=True)
+                _exit_together(client, EXIT_FAILED)
+
+    threading.Thread(target=loop, daemon=True, name="jaxport-failure-watch").start()
+    atexit.register(_exit_if_published)  # after jax's shutdown hook, so it runs first
+
+
+def publish_failure(error: BaseException) -> None:
+    """Tell the other processes that this one stops with `error`; at exit, this process then
+    skips jax's shutdown barrier (the others will not reach it). Errors every process raises
+    together (`every_process`) need no telling."""
+    if not _watch["started"] or getattr(error, "every_process", False):
+        return
+    text = (str(error).strip().splitlines() or [""])[0] or type(error).__name__
+    if not isinstance(error, JaxportError):
+        text = f"{type(error).__name__}: {text}"
+    try:
+        _client().key_value_set(_FAILED + str(jax.process_index()), text[:2000])
+    except Exception:  # noqa: BLE001 - best effort: the others then stop at jax's timeouts
+        return
+    _watch["published"] = True
+
+
+def _exit_if_published() -> None:
+    if _watch["published"]:
+        _exit_together(_client(), EXIT_FAILED)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -150,6 +151,25 @@ def _read_metrics(path: str) -> list[dict]:
     return rows
 
 
+def _flags(cfg: TrainConfig) -> dict:
+    """The settings every process of a run must share, keyed by flag. Paths are left out (each
+    machine may mount --data and --workdir elsewhere): their contents are checked instead."""
+    shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", "seed", "sync_bn",
+              "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices")
+    flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
+    return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
+
+
+def _digest(variables) -> str:
+    """A fingerprint of every array's shape, dtype and bytes, in tree order."""
+    h = hashlib.sha256()
+    for path, x in jax.tree_util.tree_leaves_with_path(variables):
+        x = np.ascontiguousarray(x)
+        h.update(f"{jax.tree_util.keystr(path)}:{x.dtype}:{x.shape};".encode())
+        h.update(x.view(np.uint8).reshape(-1) if x.size else b"")
+    return h.hexdigest()[:16]
+
+
 def _names(classes: list) -> str:
     shown = ", ".join(map(str, classes[:8]))
     return f"[{shown}{', ...' if len(classes) > 8 else ''}]"
@@ -175,6 +195,23 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"--resume: `{flag}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}) "
                               f"in {workdir}; use {flag} {saved.get(key)} to continue that run")
+
+
+# Settings a resumed run may change (they act from the resumed step on), recorded in every
+# checkpoint so the change is said, never silent.
+_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "dtype")
+
+
+def _changes(saved: dict | None, now: dict) -> str:
+    """` with changed settings: --lr 0.01 (was 0.05), ...`, or nothing."""
+    if saved is None:  # written before settings were recorded
+        return " (its checkpoint does not record the earlier settings; this run uses the ones given now)"
+    changed = [f"--{k.replace('_', '-')} {now[k]} (was {saved.get(k)})" for k in _RESUMABLE
+               if k in saved and saved[k] != now[k]]
+    if not changed:
+        return ""
+    schedule = " (the cosine schedule now ends at the new --epochs)" if saved.get("epochs") != now["epochs"] else ""
+    return f" with changed settings: {', '.join(changed)}{schedule}"
 
 
 class Interrupted(KeyboardInterrupt):
@@ -307,12 +344,31 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         was checkpointed first, so `resume` continues exactly. A KeyboardInterrupt subclass.
       DivergedError: the loss or the weights became non-finite (inf/NaN); raised before any
         such state is checkpointed, naming the step and the last good checkpoint.
+
+    With several processes, all must be given the same settings (checked: flags, data, starting
+    weights, a shared workdir). One that stops with an error tells the others, which print it
+    and exit with status 2 at once (they are blocked in the step's collectives, where no
+    exception can reach them); the one that failed raises as usual and exits with status 2 too.
     """
     _validate(cfg)
     _distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    _distributed.watch_for_failures()
+    try:
+        return _train(cfg, log)
+    except Interrupted:  # every process stops at the same step (jax's preemption sync point)
+        raise
+    except BaseException as e:
+        _distributed.publish_failure(e)  # the others would wait for this one in a collective
+        raise
+
+
+def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     lead = jax.process_index() == 0
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     say = log if lead else (lambda msg: None)
+    # Checked before anything is loaded: flags that differ between processes (a typo in one
+    # launch line) would train silently wrong weights or hang in a collective.
+    _distributed.check_same_settings(_flags(cfg))
 
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
@@ -324,6 +380,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
     fresh = jax.tree.map(np.asarray, fresh)
     variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say) if cfg.init else fresh
+    # What the flags cannot show: each process reads its own copy of --data and --init.
+    _distributed.check_same_settings({"--data (classes)": data.classes,
+                                      "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
+                                      "starting weights (--init, --seed)": _digest(variables)})
 
     per_device_batch = None
     if cfg.batch_size == "auto":
@@ -341,6 +401,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         cap = max(1, data.train.num_examples // n_dev)
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
                                                  max_per_device=min(256, cap), log=say)
+        # Each process measured its own devices; the step is one program, so all take the smallest.
+        agreed = _distributed.agree_min(per_device_batch)
+        if agreed != per_device_batch:
+            log(f"process {jax.process_index()}: --batch-size auto: {agreed} per device, the most every process fits")
+            per_device_batch = agreed
         batch = per_device_batch * n_dev
         steps_per_epoch = data.train.num_examples // batch
     else:
@@ -356,9 +421,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     evaluate = make_eval_step(model, mesh)
 
     os.makedirs(cfg.workdir, exist_ok=True)
+    _distributed.check_shared_workdir(cfg.workdir)
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
     meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
-            "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0]}
+            "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0],
+            "settings": {k: getattr(cfg, k) for k in _RESUMABLE}}
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
     result: dict = {}
     bar = None
@@ -371,7 +438,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
             _check_resumable(saved, meta, cfg.workdir)
             state, saved = _checkpoint.restore(mngr, state)
             meta["epoch_sums"] = saved["epoch_sums"]
-            say(f"resuming from step {int(state.step)}")
+            say(f"resuming from step {int(state.step)}{_changes(saved.get('settings'), meta['settings'])}")
         elif cfg.resume:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)
@@ -499,8 +566,10 @@ def _diverged(what: str, step: int, mngr, cfg: TrainConfig) -> DivergedError:
     lower = f"a lower --lr (now {cfg.lr}; --momentum {cfg.momentum})"
     kept = (f"the latest checkpoint, step {good}, is intact: rerun with --resume and {lower} to continue from it"
             if good is not None else f"no checkpoint was written: train again with {lower}")
-    return DivergedError(f"training diverged: {what} at step {step}; nothing non-finite was saved, and {kept} "
-                         "(or check the data and --init weights)")
+    err = DivergedError(f"training diverged: {what} at step {step}; nothing non-finite was saved, and {kept} "
+                        "(or check the data and --init weights)")
+    err.every_process = True  # the loss and weights are global: every process stops here together
+    return err
 
 
 def _check_finite(losses: list[float], gstep: int, mngr, cfg: TrainConfig) -> None:
