@@ -155,3 +155,25 @@ def test_inputs_and_options_torchvision_refuses_or_takes():
         models.resnet50(replace_stride_with_dilation=()).init(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))
     out = models.resnet18(num_classes=np.int64(3)).init_with_output(jax.random.PRNGKey(0), jnp.ones((1, 32, 32, 3)))[0]
     assert out.shape == (1, 3)  # a numpy integer is an int, as torch takes it
+
+
+@pytest.mark.parametrize("image_size, refused", [(32, True), (33, False)])
+@pytest.mark.parametrize("custom_vjps", [True, False])
+def test_train_mode_over_one_value_per_channel_is_refused_like_torch(image_size, refused, custom_vjps):
+    """One image whose layer4 maps are 1x1: torch raises "Expected more than 1 value per channel
+    when training"; the port trained on, normalising every value to the bias."""
+    ref = torchvision.models.resnet18(num_classes=10).train()
+    x = torch.randn(1, 3, image_size, image_size)
+    model = models.resnet18(num_classes=10, custom_vjps=custom_vjps)
+    variables = torch_compat.torch_to_flax(ref.state_dict())
+    xj = jnp.asarray(x.permute(0, 2, 3, 1).numpy())
+    if refused:
+        with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+            ref(x)
+        with pytest.raises(ValueError, match=r"BatchNorm `layer4/0/bn1` in train mode got input \(1, 1, 1, 512\): "
+                                             "one value per channel, which torch refuses"):
+            model.apply(variables, xj, train=True, mutable=["batch_stats"])
+    else:
+        ref(x)
+        model.apply(variables, xj, train=True, mutable=["batch_stats"])
+    model.apply(variables, xj, train=False)  # eval mode uses the running statistics: always fine

@@ -169,6 +169,22 @@ def test_corrupt_checkpoint_on_resume(tmp_path):
         train(TrainConfig(**{**cfg.__dict__, "resume": True}))
 
 
+@pytest.mark.parametrize("sync_bn, refused", [(False, True), (True, False)])
+def test_one_image_per_device_at_1x1_maps_is_refused_before_compiling(tmp_path, monkeypatch, sync_bn, refused):
+    """At 16 px layer4's maps are 1x1, so per-device BatchNorm over 1 image per device sees one
+    value per channel (torch refuses it); synchronised over 2 devices it sees two."""
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=2, epochs=1, max_steps=1, progress=False,
+                      devices=2, sync_bn=sync_bn)
+    if refused:
+        with pytest.raises(ConfigError, match=r"`--batch-size` \(=2\) gives 1 image per device, and at `--image-size` "
+                                              r"\(=16\) layer4's maps are 1x1: .* use --batch-size 4 \(2 per device\) "
+                                              r"or --sync-bn, or --image-size 33 or more"):
+            train(cfg)
+        assert not os.listdir(tmp_path)
+    else:
+        assert train(cfg)["steps_run"] == 1
+
+
 def test_resume_says_which_settings_changed(tmp_path):
     """--resume may change the learning rate or the epochs (e.g. after a divergence), but never
     silently: the checkpoint records the settings and the resumed run names each change."""

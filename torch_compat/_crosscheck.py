@@ -103,14 +103,6 @@ def _classes(entries: list[Entry]) -> int:
     return next((e.torch_shape[0] for e in entries if e.torch_key == "fc.weight"), 0)
 
 
-def _layer4_side(image_size: int) -> int:
-    """Side of layer4's output: the stem conv and max-pool, then layer2..4, each halve it."""
-    side = (image_size + 2 * 3 - 7) // 2 + 1
-    for _ in range(4):
-        side = (side + 2 - 3) // 2 + 1
-    return side
-
-
 def _torchvision(arch: str, num_classes: int) -> torch.nn.Module:
     """torchvision's `arch`; with `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
     model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000)
@@ -192,7 +184,7 @@ def cross_check(
     for name, value in (("rtol", rtol), ("train_rtol", train_rtol)):
         if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"`{name}` (={value!r}) must be a finite number > 0")
-    side = _layer4_side(image_size)
+    side = models.layer4_side(image_size)
     if "train" in modes and batch_size * side * side < 2:
         # torch refuses train-mode BatchNorm over a single value per channel (its unbiased
         # variance would divide by zero); say so before running anything.

@@ -59,6 +59,8 @@ class BatchNorm(nn.Module):
         ra_var = self.variable("batch_stats", "var", jnp.ones, (features,), self.param_dtype)
         count = self.variable("batch_stats", "num_batches_tracked", jnp.zeros, (), jnp.int32)
 
+        if train and not self.is_initializing():
+            self._check_values_per_channel(x)
         stat_dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
         xs = x.astype(stat_dtype)
         if train and self.axis_name is None and use_custom_vjps(self.custom_vjps, "BatchNorm"):
@@ -81,6 +83,19 @@ class BatchNorm(nn.Module):
             mean = ra_mean.value.astype(stat_dtype)
             inv = jax.lax.rsqrt(ra_var.value.astype(stat_dtype) + self.epsilon)
         return _affine(xs, mean, inv, scale.astype(stat_dtype), bias.astype(stat_dtype)).astype(x.dtype)
+
+    def _check_values_per_channel(self, x):
+        """torch refuses train mode over one value per channel ("Expected more than 1 value per
+        channel when training"): the batch variance is 0, every output is the bias, and the
+        unbiased running variance divides by zero. Here it trained on, silently."""
+        n = x.size // x.shape[-1]
+        devices = jax.lax.axis_size(self.axis_name) if self.axis_name is not None else 1
+        if n * devices < 2:
+            where = "/".join(self.scope.path) or "BatchNorm"
+            across = f" on each of {devices} devices" if devices > 1 else ""
+            raise ValueError(f"BatchNorm `{where}` in train mode got input {tuple(x.shape)}{across}: one value per "
+                             "channel, which torch refuses (its statistics are undefined); give it more images or "
+                             "larger maps, or synchronise the statistics across devices (`axis_name`)")
 
     def _update_running(self, ra_mean, ra_var, count, mean, var, n):
         """torch's update: biased batch variance normalises, the unbiased one is stored."""

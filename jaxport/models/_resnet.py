@@ -343,6 +343,15 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
     return make
 
 
+def layer4_side(image_size: int) -> int:
+    """Side of layer4's feature map for `image_size` px inputs (no dilation): the stem conv, the
+    max-pool and layer2..4 each halve it, rounding up (32 px -> 1x1, 33 px -> 2x2)."""
+    side = (image_size + 2 * 3 - 7) // 2 + 1
+    for _ in range(4):
+        side = (side + 2 - 3) // 2 + 1
+    return side
+
+
 def build(arch: str, *, cls: type[ResNet] = ResNet, **kwargs) -> ResNet:
     """The Flax ResNet for a torchvision architecture name, e.g. `build("resnet50", num_classes=10)`.
 

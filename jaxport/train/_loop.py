@@ -20,7 +20,7 @@ import numpy as np
 
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, save_variables
-from ..models import ARCHS, build
+from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _memory
 from ._init import fit_head, load_init
 from ._optim import cosine_annealing_lr, per_epoch, sgd
@@ -158,6 +158,23 @@ def _flags(cfg: TrainConfig) -> dict:
               "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
+
+
+def _min_per_device(image_size: int, sync_bn: bool, n_dev: int) -> int:
+    """The fewest images per device for which layer4's BatchNorm sees more than one value per channel."""
+    return 1 if layer4_side(image_size) ** 2 * (n_dev if sync_bn else 1) >= 2 else 2
+
+
+def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n_dev: int) -> None:
+    """Refuse, before compiling, a step whose BatchNorm at layer4 sees one value per channel."""
+    if per_device >= _min_per_device(image_size, sync_bn, n_dev):
+        return
+    side = layer4_side(image_size)
+    fixes = [f"--batch-size {2 * n_dev} (2 per device)"] + ([] if sync_bn or n_dev == 1 else ["--sync-bn"])
+    raise ConfigError(f"`--batch-size` (={per_device * n_dev}) gives {per_device} image per device, and at "
+                      f"`--image-size` (={image_size}) layer4's maps are {side}x{side}: train-mode BatchNorm would see "
+                      "one value per channel, which torch refuses (every output would be the bias); use "
+                      f"{' or '.join(fixes)}, or --image-size 33 or more")
 
 
 def _digest(variables) -> str:
@@ -400,7 +417,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         cap = max(1, data.train.num_examples // n_dev)
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
-                                                 max_per_device=min(256, cap), log=say)
+                                                 max_per_device=min(256, cap), log=say,
+                                                 min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev))
         # Each process measured its own devices; the step is one program, so all take the smallest.
         agreed = _distributed.agree_min(per_device_batch)
         if agreed != per_device_batch:
@@ -415,6 +433,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         fix = (f"use at most {n // n_dev * n_dev} (a multiple of the {n_dev} devices)" if n >= n_dev else
                f"a step needs at least one image per device ({n_dev}): add training images")
         raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
+    _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev)
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
     step_fn = make_train_step(model, tx, mesh)
@@ -607,7 +626,8 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
         step = make_train_step(model, tx, mesh, donate=False)
         failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
-                                     max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None)
+                                     max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,
+                                     min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev))
     except _memory.OutOfMemoryError as e:  # not even one image per device
         return _memory.OutOfMemoryError(f"{where}; {e}")
     except Exception:  # noqa: BLE001 - the hint is best effort

@@ -39,14 +39,16 @@ def step_bytes(step: Callable, state, mesh, per_device_batch: int, image_size: i
 
 
 def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int, max_per_device: int = 256,
-                  log: Callable[[str], None] = print) -> int:
+                  log: Callable[[str], None] = print, min_per_device: int = 1) -> int:
     """The largest per-device batch whose step fits in `limit_bytes`.
 
-    Predicts from two compilations (batch 1 and 2: memory is affine in the batch), then
-    confirms the prediction by compiling it, stepping down until XLA's analysis fits.
+    Predicts from two compilations (batch `min_per_device` and one more: memory is affine in
+    the batch), then confirms the prediction by compiling it, stepping down until XLA's
+    analysis fits. `min_per_device` is 2 where one image per device is no valid step (per-device
+    BatchNorm over 1x1 maps), which then is never compiled.
 
     Raises:
-      OutOfMemoryError: not even a batch of 1 per device fits.
+      OutOfMemoryError: not even `min_per_device` images per device fit.
     """
     known: dict[int, int] = {}
 
@@ -55,18 +57,19 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
             known[b] = step_bytes(step, state, mesh, b, image_size)
         return known[b]
 
-    m1 = need(1)
+    lo = min_per_device
+    m1 = need(lo)
     if m1 > limit_bytes:
-        raise OutOfMemoryError(f"a batch of 1 per device needs {m1 / 2**20:.0f} MiB, more than the "
+        raise OutOfMemoryError(f"a batch of {lo} per device needs {m1 / 2**20:.0f} MiB, more than the "
                                f"{limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model")
-    if max_per_device <= 1:
-        b = 1
+    if max_per_device <= lo:
+        b = lo
     else:
-        per_example = max(need(2) - m1, 1)
-        b = int(min(max_per_device, 1 + (limit_bytes - m1) // per_example))
+        per_example = max(need(lo + 1) - m1, 1)
+        b = int(min(max_per_device, lo + (limit_bytes - m1) // per_example))
         b = b // 8 * 8 if b >= 16 else b
-    while b > 1 and need(b) > limit_bytes:  # the prediction was optimistic: step down
-        b = max(1, int(b * limit_bytes / need(b)) // 8 * 8 if b > 16 else b - 1)
+    while b > lo and need(b) > limit_bytes:  # the prediction was optimistic: step down
+        b = max(lo, int(b * limit_bytes / need(b)) // 8 * 8 if b > 16 else b - 1)
     while b < max_per_device:  # memory is not exactly affine: confirm the next size does not fit
         up = min(max_per_device, b + 1 if b < 16 else b + 8)
         if need(up) > limit_bytes:
