@@ -480,10 +480,11 @@ def test_batch_size_auto_from_memory_analysis():
     m4, m5 = step_bytes(step, state, mesh, 4, 8), step_bytes(step, state, mesh, 5, 8)
     assert m5 > m4 > 0  # XLA's analysis grows with the batch
     messages = []
-    assert largest_batch(step, state, mesh, 8, (m4 + m5) // 2, log=messages.append) == 4
+    # At 8 px one image per device is no valid train step (1x1 maps): the search starts at 2.
+    assert largest_batch(step, state, mesh, 8, (m4 + m5) // 2, log=messages.append, min_per_device=2) == 4
     assert "4 per device" in messages[0]
-    with pytest.raises(OutOfMemoryError, match="a batch of 1 per device needs"):
-        largest_batch(step, state, mesh, 8, 1000)
+    with pytest.raises(OutOfMemoryError, match="a batch of 2 per device needs"):
+        largest_batch(step, state, mesh, 8, 1000, min_per_device=2)
 
 
 @pytest.mark.slow
