@@ -62,6 +62,24 @@ def test_an_image_that_fails_to_decode_is_named_and_the_run_exits(tmp_path):
     assert "Traceback" not in out.stderr, out.stderr
 
 
+def test_warnings_in_loader_workers_are_one_line_like_the_clis(tmp_path):
+    """Spawned DataLoader workers start with Python's warning display: PIL's warning for a
+    palette PNG with byte transparency printed a file:line header and the source line."""
+    data = _folder(tmp_path / "data", per_class=10)
+    for c in ("a", "b"):
+        for i in range(10):
+            im = Image.fromarray(np.random.default_rng(i).integers(0, 255, (20, 24), np.uint8), "L").convert("P")
+            im.save(data / c / f"{i}.png", transparency=bytes([0] * 10 + [255] * 246))
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1", PYTHONPATH=ROOT)
+    cmd = [sys.executable, "-m", "jaxport", "train", "--workdir", str(tmp_path / "w"), "--data", str(data),
+           "--image-size", "16", "--batch-size", "4", "--epochs", "1", "--max-steps", "1", "--workers", "1",
+           "--no-progress"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "jaxport: warning: Palette images with Transparency expressed in bytes" in out.stderr, out.stderr
+    assert "UserWarning" not in out.stderr and "warnings.warn" not in out.stderr, out.stderr
+
+
 def test_torchvision_split_folders_are_recognised_or_refused(tmp_path):
     """`train/` beside `validation/` was read as two classes named 'train' and 'validation'."""
     for held_out in ("val", "validation", "valid"):

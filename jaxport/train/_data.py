@@ -13,7 +13,9 @@ where that loader is built.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import pickle
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -263,18 +265,32 @@ def _collate(items):
     return np.stack([x for x, _ in items]).astype(np.float32), np.array([y for _, y in items], np.int32)
 
 
-def _worker_ignores_stop_signals(_worker_id: int) -> None:
-    """DataLoader workers leave SIGINT/SIGTERM to the training process.
+def _init_worker(_worker_id: int, showwarning=None) -> None:
+    """DataLoader workers leave SIGINT/SIGTERM to the training process, and show warnings as
+    it does.
 
     Ctrl-C reaches the whole process group, and schedulers signal every process of a job: the
     trainer checkpoints the step in progress before stopping (`_loop._StopRequests`), and the
     workers must still be serving it. They end when the loader shuts them down or the trainer
     exits (torch's workers watch their parent).
+    Workers are spawned, so they start with Python's warning display: a PIL warning raised while
+    decoding printed two raw lines beside the CLI's one-line `jaxport: warning: ...`.
     """
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if showwarning is not None:
+        warnings.showwarning = showwarning
+
+
+def _worker_init_fn():
+    """`_init_worker` with this process's warning display, when it can travel to a spawned worker."""
+    try:
+        pickle.dumps(warnings.showwarning)
+    except Exception:  # noqa: BLE001 - e.g. a lambda: the workers keep Python's display
+        return _init_worker
+    return functools.partial(_init_worker, showwarning=warnings.showwarning)
 
 
 def _torch_split(samples, transform, seed, workers) -> Split:
@@ -292,7 +308,7 @@ def _torch_split(samples, transform, seed, workers) -> Split:
     def stream(batches: Iterator[Sequence[int]], epoch: int):
         loader = tud.DataLoader(dataset, batch_sampler=[[(epoch, int(i)) for i in b] for b in batches],
                                 num_workers=workers, collate_fn=_collate,
-                                worker_init_fn=_worker_ignores_stop_signals if workers else None,
+                                worker_init_fn=_worker_init_fn() if workers else None,
                                 prefetch_factor=4 if workers else None,
                                 # jax runs threads: fork could deadlock, so workers are spawned.
                                 multiprocessing_context="spawn" if workers else None)
@@ -304,7 +320,7 @@ def _torch_split(samples, transform, seed, workers) -> Split:
                 yield batch
         finally:
             # Now, not when garbage collection finds the iterator: at exit, torch leaves its
-            # workers to multiprocessing, whose SIGTERM they ignore (`_worker_ignores_stop_signals`),
+            # workers to multiprocessing, whose SIGTERM they ignore (`_init_worker`),
             # and joining them would hang. Closing this generator (or an error) lands here.
             shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
