@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import shlex
+import stat
 import sys
 import time
 import warnings
@@ -96,6 +97,9 @@ def _check_output(out: Path, src: Path, what: str) -> None:
                           "choose another output path")
     if out.is_dir():
         raise ConfigError(f"`--out` (={out}) is a directory; pass a file path, e.g. {out / 'model.safetensors'}")
+    if out.exists() and not out.is_file():  # --force replaces files, never a device, FIFO or socket
+        raise ConfigError(f"`--out` (={out}) exists and is {_file_kind(out)}, not a regular file; nothing was "
+                          "replaced (not even with --force): choose another output path")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ConfigError(f"`--out` (={out}) cannot be written: '{blocking}' is a file, not a directory; "
@@ -106,6 +110,21 @@ def _check_output(out: Path, src: Path, what: str) -> None:
     if reason is not None:
         raise ConfigError(f"`--out` (={out}) cannot be written: {reason}; choose another output path, or make "
                           "the directory writable")
+
+
+def _file_kind(path: Path) -> str:
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _out_path(text: str) -> Path:
+    """`--out` as a Path; `Path("newdir/")` would drop the slash and write a file named `newdir`."""
+    if text.endswith(("/", os.sep)):
+        raise ConfigError(f"`--out` (={text}) ends in a path separator, so it names a directory; pass a file path, "
+                          f"e.g. {Path(text) / 'model.safetensors'}")
+    return Path(text)
 
 
 def _port_source(out: Path) -> str | None:
@@ -188,7 +207,7 @@ def _cmd_port(args) -> int:
             ckpt = Path(args.checkpoint)
             print(f"checkpoint: {ckpt}")
         # Decided before any work, so a refused output costs nothing.
-        out = Path(args.out) if args.out else _default_port_output(ckpt, args.force)
+        out = _out_path(args.out) if args.out else _default_port_output(ckpt, args.force)
         _check_output(out, ckpt, "checkpoint")
         # Re-porting over an earlier port is the usual re-run; trained or saved variables record no
         # source ('') and are kept like any other file.
@@ -284,7 +303,7 @@ def _cmd_export(args) -> int:
 
     from ._io import atomic_path, load_variables, read_metadata
 
-    src, out = Path(args.variables), Path(args.out)
+    src, out = Path(args.variables), _out_path(args.out)
     _check_output(out, src, "variables file" if not src.is_dir() else "training workdir")
     # A torch file does not say who wrote it, so even an earlier export is kept without --force.
     _refuse_overwrite(out, args.force, "")

@@ -401,3 +401,50 @@ def test_port_loads_metadata_saved_beside_the_weights(tmp_path, capsys):
     assert "jaxport: warning:" in captured.err and "'epoch' (int), 'arch' (str)" in captured.err
     back = torch_compat.flax_to_torch(jaxport.load_variables(out), "resnet18")
     assert all(torch.equal(back[k], v) for k, v in sd.items())
+
+
+def test_out_is_never_a_device_fifo_or_socket_even_with_force(tmp_path, resnet18_checkpoint, capsys):
+    """`--force` replaced a FIFO or a device node (`mknod fakenull c 1 3`) with a file."""
+    import socket
+
+    port = tmp_path / "r18.safetensors"
+    assert main(["port", str(resnet18_checkpoint), "--out", str(port)]) == 0
+    capsys.readouterr()
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    sock_path = tmp_path / "sock"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    specials = [(fifo, "a FIFO"), (sock_path, "a socket"), (Path("/dev/null"), "a character device")]
+    link = tmp_path / "link"
+    link.symlink_to(fifo)
+    specials.append((link, "a FIFO"))
+    try:
+        for out, kind in specials:
+            for argv in (["port", str(resnet18_checkpoint)], ["export", str(port)]):
+                for force in ([], ["--force"]):
+                    assert main([*argv, "--out", str(out), *force]) == 2
+                    _assert_one_line_error(capsys.readouterr().err, f"`--out` (={out}) exists and is {kind}",
+                                           "not a regular file", "choose another output path")
+            assert not out.is_file()
+    finally:
+        sock.close()
+    assert fifo.exists() and not fifo.is_file()
+    # A symlink to a regular file is still replaced with --force.
+    target = tmp_path / "target.safetensors"
+    target.write_bytes(b"")
+    (tmp_path / "to_file").symlink_to(target)
+    assert main(["port", str(resnet18_checkpoint), "--out", str(tmp_path / "to_file"), "--force"]) == 0
+
+
+def test_an_out_ending_in_a_separator_is_refused(tmp_path, resnet18_checkpoint, capsys):
+    """`--out newdir/` wrote a file named `newdir`."""
+    port = tmp_path / "r18.safetensors"
+    assert main(["port", str(resnet18_checkpoint), "--out", str(port)]) == 0
+    capsys.readouterr()
+    out = str(tmp_path / "newdir") + "/"
+    for argv in (["port", str(resnet18_checkpoint)], ["export", str(port)]):
+        assert main([*argv, "--out", out]) == 2
+        _assert_one_line_error(capsys.readouterr().err, f"`--out` (={out}) ends in a path separator",
+                               f"e.g. {tmp_path / 'newdir' / 'model.safetensors'}")
+        assert not (tmp_path / "newdir").exists()

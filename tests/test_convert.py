@@ -318,3 +318,82 @@ def test_a_bad_dtype_or_a_float16_overflow_is_named():
     wide["fc.bias"][0] = 1e300  # torch's .to(float32) makes it inf without a word
     with pytest.raises(ConversionError, match=r"'fc.bias'\] holds 1e\+300, beyond float32's range"):
         torch_compat.torch_to_flax(wide, dtype=np.float32)
+
+
+def test_the_overflow_advice_fits_the_cast():
+    """It suggested bfloat16 ("keeps float32's range") when bfloat16 was the target, or when the
+    value was float64 beyond float32's range; a Parameter's cast warned about requires_grad."""
+    sd = dict(reference("resnet18").state_dict(keep_vars=True))
+    sd["fc.bias"] = torch.nn.Parameter(sd["fc.bias"].detach().clone())
+    with torch.no_grad():
+        sd["fc.bias"][0] = 1e6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConversionError) as e:
+            torch_compat.torch_to_flax(sd, dtype="float16")
+    assert "holds 1e+06, beyond float16's range" in str(e.value)
+    assert "cast to bfloat16 instead (it keeps float32's range), or keep the dtype (float32" in str(e.value)
+    wide = {k: (v.detach().double() if v.is_floating_point() else v) for k, v in sd.items()}
+    wide["fc.bias"][0] = 1e39
+    for target in ("float16", "bfloat16", "float32"):
+        with pytest.raises(ConversionError) as e:
+            torch_compat.torch_to_flax(wide, dtype=target)
+        assert f"holds 1e+39, beyond {target}'s range" in str(e.value)
+        assert "bfloat16 instead" not in str(e.value)
+        assert str(e.value).endswith("keep the dtype (float64: `dtype=None`, CLI --dtype keep)")
+
+
+def test_ambiguous_or_odd_dtypes_are_refused_by_name():
+    """`dtype="float"` meant float64 (numpy), where torch users read float32; a dict raised numpy's
+    ValueError."""
+    sd = reference("resnet18").state_dict()
+    for ambiguous in ("float", "double", float, "Float"):
+        with pytest.raises(ConversionError) as e:
+            torch_compat.torch_to_flax(sd, dtype=ambiguous)
+        assert f"`dtype` (={ambiguous!r}) is ambiguous" in str(e.value)
+        assert "'float32'" in str(e.value) and "'float64'" in str(e.value) and "None keeps the dtypes" in str(e.value)
+    for odd in ({"names": ["a"]}, "i4,i4", [("a", "f4")], "keep"):
+        with pytest.raises(ConversionError) as e:
+            torch_compat.torch_to_flax(sd, dtype=odd)
+        assert "must be None (keep each tensor's dtype) or a floating dtype" in str(e.value)
+        assert "None keeps the dtypes" in str(e.value)
+    half = torch_compat.torch_to_flax(sd, dtype="half")
+    assert half["params"]["fc"]["kernel"].dtype == np.float16
+
+
+@pytest.mark.parametrize("float8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)
+@pytest.mark.parametrize("target", ["float32", "float16", "bfloat16"])
+def test_float8_weights_port_with_an_explicit_dtype(float8, target):
+    """`--dtype float32` on a float8 checkpoint was refused with "cast the weights to float32 first"."""
+    sd = {k: (v.to(float8) if v.is_floating_point() else v) for k, v in reference("resnet18").state_dict().items()}
+    back = torch_compat.flax_to_torch(torch_compat.torch_to_flax(sd, dtype=target), "resnet18")
+    for k, t in sd.items():
+        expected = t.to(getattr(torch, target)) if t.is_floating_point() else t
+        assert back[k].dtype == expected.dtype and torch.equal(back[k], expected), k
+    with pytest.raises(ConversionError) as e:
+        torch_compat.torch_to_flax(sd)
+    assert f"is {float8}, expected float16, bfloat16, float32 or float64" in str(e.value)
+    assert "dtype='float32' (CLI --dtype float32)" in str(e.value)
+
+
+def test_every_group_of_extra_keys_is_named_for_removal():
+    """With two nested ResNets, or a ResNet and a projector, only the first group was named."""
+    ref = reference("resnet18")
+    sd = ref.state_dict()
+    proj = {f"proj.{k}": v for k, v in torch.nn.Linear(512, 8).state_dict().items()}
+    cases = {
+        ("ema.", "teacher."): {**sd, **{f"teacher.{k}": v for k, v in sd.items()},
+                               **{f"ema.{k}": v for k, v in sd.items()}},
+        ("teacher.", "proj."): {**sd, **{f"teacher.{k}": v for k, v in sd.items()}, **proj},
+        ("head.", "proj."): {**sd, **proj, "head.weight": torch.zeros(3)},
+    }
+    for groups, extra in cases.items():
+        with pytest.raises(ConversionError) as e:
+            torch_compat.torch_to_flax(extra)
+        msg = str(e.value)
+        assert f"if not k.startswith({groups!r})" in msg, msg[-400:]
+        # The suggested removal is the fix.
+        kept = {k: v for k, v in extra.items() if not k.startswith(groups)}
+        assert torch_compat.torch_to_flax(kept)["params"]["fc"]["kernel"].shape == (512, 10)
+    assert "other ResNets under 'ema.', 'teacher.'" in str(pytest.raises(
+        ConversionError, torch_compat.torch_to_flax, cases["ema.", "teacher."]).value)

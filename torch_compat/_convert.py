@@ -261,18 +261,28 @@ def _check(
 
 
 def _beside_the_head(arch: str, unexpected: list[str]) -> str:
-    """The way out when a full ResNet (backbone and `fc`) comes with extra, unexpected keys."""
-    nested = [p for p in _prefixes(unexpected)
-              if f"{p}conv1.weight" in unexpected and f"{p}layer1.0.conv1.weight" in unexpected]
+    """The way out when a full ResNet (backbone and `fc`) comes with extra, unexpected keys,
+    naming every group of them to remove (other ResNets under their prefixes, other modules)."""
+    nested: list[str] = []
+    for p in _prefixes(unexpected):  # shortest first: a ResNet inside another is part of it
+        if (f"{p}conv1.weight" in unexpected and f"{p}layer1.0.conv1.weight" in unexpected
+                and not p.startswith(tuple(nested))):
+            nested.append(p)
+    rest = [k for k in unexpected if not k.startswith(tuple(nested))]
+    groups = nested + sorted({k.split(".", 1)[0] + ("." if "." in k else "") for k in rest})
+    remove = (f"remove them from the state_dict, e.g. {{k: v for k, v in state_dict.items() if not "
+              f"k.startswith({tuple(groups)!r})}}")
     if nested:  # e.g. a teacher or EMA copy stored beside the model
-        return (f"The backbone and the classifier fc fit; the unexpected keys hold another ResNet under "
-                f"{nested[0]!r}: to port that one, select it with prefix={nested[0]!r} (CLI --prefix {nested[0]}); "
-                f"to port this one, remove the keys under {nested[0]!r} from the state_dict")
-    groups = sorted({k.split(".", 1)[0] + ("." if "." in k else "") for k in unexpected})
+        what = (f"another ResNet under {nested[0]!r}" if len(nested) == 1
+                else f"other ResNets under {', '.join(map(repr, nested))}")
+        if rest:
+            what += f", and other keys ({describe_keys(rest)})"
+        return (f"The backbone and the classifier fc fit; the unexpected keys hold {what}: to port "
+                f"{'that one' if len(nested) == 1 else 'one of them'}, select it with prefix={nested[0]!r} "
+                f"(CLI --prefix {nested[0]}); to port this one, {remove}")
     return (f"The backbone and the classifier fc fit; the unexpected keys ({describe_keys(unexpected)}) are no part of "
-            f"torchvision's {arch}: remove them from the state_dict, e.g. "
-            f"{{k: v for k, v in state_dict.items() if not k.startswith({tuple(groups[:4])!r})}} (CLI: re-save the "
-            "checkpoint without them) and port again; --backbone-only would drop fc as well")
+            f"torchvision's {arch}: {remove} (CLI: re-save the checkpoint without them) and port again; "
+            "--backbone-only would drop fc as well")
 
 
 def _num_classes(shapes: Mapping[str, tuple[int, ...]], fc_key: str, axis: int) -> int | None:
@@ -294,9 +304,10 @@ def _permuted(shape: tuple[int, ...], perm: tuple[int, ...] | None) -> tuple[int
     return shape if perm is None else tuple(shape[p] for p in perm)
 
 
-def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
+def check_state_dict(state_dict: Mapping[str, Any], arch: str, *, dtype: Any = None) -> list[Entry]:
     """The conversion table for `state_dict` as `arch`, after checking every key and shape
-    (shapes only: nothing is copied).
+    (shapes only: nothing is copied). `dtype` is the dtype the weights will be cast to, as in
+    `torch_to_flax`: float8 weights pass when it is given (the cast to it is exact).
 
     Raises:
       ConversionError: listing every missing, unexpected and wrong-shape key, and the
@@ -320,7 +331,7 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str) -> list[Entry]:
         raise ConversionError(f"{len(meta)} tensors of the state_dict ({', '.join(meta[:3])}"
                               f"{', ...' if len(meta) > 3 else ''}) are meta tensors, with a shape but no data: "
                               "materialise the model's weights before converting them")
-    _check_torch_dtypes(state_dict, entries)
+    _check_torch_dtypes(state_dict, entries, cast=_torch_dtype(dtype))
     return entries
 
 
@@ -330,12 +341,13 @@ _FLOAT_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.flo
 _INT32 = np.iinfo(np.int32)
 
 
-def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry]) -> None:
+def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry], cast: torch.dtype | None = None) -> None:
     """Refuse tensors the port would corrupt or could not compute with, naming every key.
 
     Quantized, sparse and float8 tensors have no numpy form (torch's `.numpy()` fails deep
     inside the copy); integer or complex weights would convert silently and compute nonsense.
     `num_batches_tracked` is an integer counter that becomes int32 (jax's default integer).
+    With a `cast` (a floating dtype), float8 weights pass: `_cast` turns them into it exactly.
     """
     bad = []
     for e in entries:
@@ -351,7 +363,8 @@ def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry]) -> 
                     "(jax's default integer), so the round trip could not be exact; the counter only matters "
                     "to BatchNorm with momentum=None (torchvision's ResNets use 0.1): reset it, e.g. "
                     f"state_dict[{e.torch_key!r}].zero_(), and port again")
-        elif t.layout != torch.strided or t.is_quantized or t.dtype not in _FLOAT_DTYPES:
+        elif t.layout != torch.strided or t.is_quantized or (
+                t.dtype not in _FLOAT_DTYPES and not (cast is not None and t.is_floating_point())):
             bad.append((e.torch_key, t, "float16, bfloat16, float32 or float64"))
     if not bad:
         return
@@ -362,6 +375,9 @@ def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry]) -> 
         fix = f"make them dense first (tensor.to_dense()); {t.layout} tensors cannot be ported"
     elif want == "an integer counter":
         fix = "save num_batches_tracked as torch's int64 counter"
+    elif t.is_floating_point():  # float8: a cast makes it computable
+        fix = ("pass a floating `dtype` to cast them to, e.g. dtype='float32' (CLI --dtype float32), or cast "
+               "them first (tensor.float())")
     else:
         fix = "cast the weights to float32 first (tensor.float()) if the values are meant as weights"
     raise ConversionError(f"state_dict[{key!r}] is {t.dtype}{'' if t.layout == torch.strided else f' ({t.layout})'}, "
@@ -534,7 +550,7 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
     """
     cast = _torch_dtype(dtype)  # checked before any work
     arch = detect_arch(state_dict) if arch is None else arch  # both check `state_dict`'s type
-    entries = check_state_dict(state_dict, arch)
+    entries = check_state_dict(state_dict, arch, dtype=cast)
     # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
     # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.
     # A cast happens one tensor at a time, inside the copy: never a second copy of every weight.
@@ -559,18 +575,23 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     """`torch_to_flax`'s `dtype` as a torch floating dtype; None keeps the dtypes."""
     if dtype is None:
         return None
+    choices = ", ".join(repr(n) for n in _FLOAT_DTYPES.values())
+    if dtype is float or (isinstance(dtype, str) and dtype.strip().lower() in ("float", "double")):
+        # numpy reads these as float64, a torch user as float32 (`torch.float`) or float64 (`torch.double`)
+        raise ConversionError(f"`dtype` (={dtype!r}) is ambiguous: numpy reads it as float64, torch's `float` is "
+                              f"float32; name the width, one of {choices} (None keeps the dtypes)")
     if isinstance(dtype, torch.dtype):
         name = _FLOAT_DTYPES.get(dtype)
     else:
         try:
             name = np.dtype(dtype).name
-        except TypeError:
+        except (TypeError, ValueError, SyntaxError):  # numpy's errors for odd objects (a dict, "i4,i4" ...)
             name = None
     for torch_dtype, float_name in _FLOAT_DTYPES.items():
         if name == float_name:
             return torch_dtype
     raise ConversionError(f"`dtype` (={dtype!r}) must be None (keep each tensor's dtype) or a floating dtype: "
-                          f"one of {', '.join(repr(n) for n in _FLOAT_DTYPES.values())}, e.g. dtype='float32'")
+                          f"one of {choices}, e.g. dtype='float32' (None keeps the dtypes)")
 
 
 def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: Any) -> dict[str, torch.Tensor]:
@@ -584,13 +605,17 @@ def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: Any) -> dict[st
 def _cast(key: str, t: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
         return t
+    t = t.detach()  # a Parameter (keep_vars=True): no autograd graph, no warning from float() below
     out = t.to(dtype)
     # A narrower range turns big finite values into inf (torch does so silently): refuse that.
     if torch.finfo(dtype).max < torch.finfo(t.dtype).max and not torch.equal(torch.isfinite(out), torch.isfinite(t)):
         big = float(t[torch.isfinite(t) & ~torch.isfinite(out)].abs().max())
+        keep = f"keep the dtype ({_FLOAT_DTYPES.get(t.dtype, t.dtype)}: `dtype=None`, CLI --dtype keep)"
+        fix = (f"cast to bfloat16 instead (it keeps float32's range), or {keep}"
+               if dtype == torch.float16 and big <= torch.finfo(torch.bfloat16).max else keep)
         raise ConversionError(f"state_dict[{key!r}] holds {big:g}, beyond {_FLOAT_DTYPES[dtype]}'s range (max "
                               f"{torch.finfo(dtype).max:g}), so the cast to `dtype` (CLI --dtype) would make it inf: "
-                              "cast to a wider dtype (bfloat16 keeps float32's range), or keep the dtype")
+                              f"{fix}")
     return out
 
 

@@ -139,8 +139,8 @@ def load_state_dict(
       tensors on CPU with their stored dtypes (bf16/fp16 kept).
 
     Warns:
-      UserWarning: naming the non-tensor entries (``epoch``, ``arch``, ...) saved beside the
-        weights in the same dict, which are left out.
+      UserWarning: naming the metadata entries (``epoch``, ``arch``, a 0-d ``best_acc1`` tensor,
+        ...) saved beside the weights in the same dict, which are left out.
 
     Raises:
       CheckpointError: the path is missing, a directory, empty, truncated, corrupt or not a
@@ -236,8 +236,10 @@ def _sniff(shown: str) -> str:
             f"checkpoint '{shown}' is empty (0 bytes); re-download or re-save it"
         )
     if head.startswith(b"PK\x03\x04"):  # the test torch.load itself uses
-        return "zip"
+        return _sniff_zip(shown)
     if len(head) >= 2 and head[0] == pickle.PROTO[0] and 2 <= head[1] <= pickle.HIGHEST_PROTOCOL:
+        if not _starts_with_torch_magic(head):  # pickle.dump's: torch.load fails on it, trusted or not
+            raise CheckpointError(_old_pickle_message(shown, head[1], torch_magic=False))
         return "pickle"
     if len(head) >= 9 and head[8:9] == b"{":
         return "safetensors"
@@ -274,6 +276,21 @@ def _sniff_tar(shown: str) -> str:
                           f"from it (tar xf '{shown}') and pass that file")
 
 
+def _sniff_zip(shown: str) -> str:
+    """"zip" for a torch.save zip (`<name>/data.pkl` beside its `data/` records) or one that cannot
+    be listed (truncated: torch.load's error then says so); any other zip archive, e.g. one
+    holding `model/r18.pth`, is named for what it holds."""
+    try:
+        with zipfile.ZipFile(shown) as z:  # lists the members; nothing is extracted
+            names = z.namelist()
+    except (zipfile.BadZipFile, OSError, EOFError):
+        return "zip"
+    if not names or any(n == "data.pkl" or (n.count("/") == 1 and n.endswith("/data.pkl")) for n in names):
+        return "zip"
+    raise CheckpointError(f"'{shown}' is a zip archive holding {_short_list(names, 5)}, not a checkpoint; extract "
+                          f"the checkpoint from it (unzip '{shown}') and pass that file")
+
+
 # What protocol 0 and 1 pickles start with (protocol 2+ start with PROTO): a MARK, an empty
 # dict/list/tuple, a GLOBAL or an integer (torch.save's legacy magic number).
 _OLD_PICKLE_STARTS = {"MARK", "EMPTY_DICT", "EMPTY_LIST", "EMPTY_TUPLE", "GLOBAL", "LONG", "INT"}
@@ -295,8 +312,12 @@ def _old_pickle(head: bytes) -> int | None:
 
 
 def _starts_with_torch_magic(head: bytes) -> bool:
+    """Whether the first value of the (legacy, non-zip) pickle stream is torch.save's magic number;
+    read with pickletools, so nothing is unpickled."""
     with contextlib.suppress(ValueError):
         for opcode, arg, _pos in pickletools.genops(head):
+            if opcode.name in ("PROTO", "FRAME"):
+                continue
             return opcode.name in ("LONG", "LONG1", "INT") and arg == _TORCH_MAGIC
     return False
 
@@ -563,6 +584,11 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
     if ema and _is_averaged_model(obj):
         # The file is `AveragedModel(model).state_dict()` itself: these are the averaged weights.
         return "the top-level AveragedModel state dict", _without_n_averaged(obj)
+    averaged = [k for k in STATE_DICT_KEYS if k in obj and _is_averaged_model(_as_state_dict(obj[k]))]
+    if ema and len(averaged) == 1:
+        # `{"model": AveragedModel(model).state_dict(), ...}`: the only weights are the averaged ones.
+        key = averaged[0]
+        return f"the AveragedModel state dict checkpoint[{key!r}]", _without_n_averaged(_as_state_dict(obj[key]))
     if ema:
         what = (
             f"a plain state dict ({len(keys)} tensors)" if is_flat
@@ -570,7 +596,7 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         )
         raise CheckpointError(
             f"ema=True but checkpoint '{shown}' has no EMA weights: found {what}, looked for "
-            f"{list(EMA_KEYS)}; load it without ema (CLI: drop --ema)"
+            f"{list(EMA_KEYS)} or an AveragedModel state dict (with n_averaged); load it without ema (CLI: drop --ema)"
         )
     if is_flat or any(isinstance(v, torch.Tensor) for v in obj.values()):
         # A state dict at the top level (a bare AveragedModel's too); non-tensor values are
@@ -587,6 +613,10 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         f"{shown_keys}, looked for a dict of tensors or one of the keys {list(STATE_DICT_KEYS)}"
         f"{hint or '; save model.state_dict() with torch.save'}"
     )
+
+
+def _as_state_dict(value: Any) -> Any:
+    return value.state_dict() if isinstance(value, torch.nn.Module) else value
 
 
 def _is_averaged_model(sd: Any) -> bool:
@@ -618,17 +648,22 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
         )
     extras = _ignorable_extras(sd)
     if extras:
-        listed = ", ".join(f"{k!r} ({type(sd[k]).__name__})" for k in extras[:6])
+        listed = ", ".join(f"{k!r} ({'0-d tensor' if isinstance(sd[k], torch.Tensor) else type(sd[k]).__name__})"
+                           for k in extras[:6])
         entries = "entry" if len(extras) == 1 else "entries"
-        warnings.warn(f"checkpoint '{shown}': ignored {len(extras)} non-tensor {entries} of {where} beside its "
+        warnings.warn(f"checkpoint '{shown}': ignored {len(extras)} metadata {entries} of {where} beside its "
                       f"weights: {listed}{', ...' if len(extras) > 6 else ''}", UserWarning, stacklevel=3)
         sd = {k: v for k, v in sd.items() if k not in extras}
     out = {}
-    for key, value in sd.items():
+    # The entry that blocks: a non-str key, else a value holding tensors (not metadata), else the first.
+    order = sorted(sd, key=lambda k: (isinstance(k, str), not _holds_tensors(sd[k])))
+    for key in order:
+        value = sd[key]
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            holding = " holding tensors" if _holds_tensors(value) else ""
             problem = (
                 f"has a {type(key).__name__} key {key!r}" if not isinstance(key, str)
-                else f"maps {key!r} to {_a(type(value).__name__)}, not a tensor"
+                else f"maps {key!r} to {_a(type(value).__name__)}{holding}, not a tensor"
             )
             raise CheckpointError(
                 f"checkpoint '{shown}': {where} {problem}; a state dict maps parameter names "
@@ -649,13 +684,17 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
 
 def _ignorable_extras(sd: Mapping) -> list[str]:
     """The keys of metadata saved beside the weights, `{**model.state_dict(), "epoch": 3, "arch":
-    "resnet18"}`: values that hold no tensor, beside tensors named like a module's (`conv1.weight`).
-    Empty when anything else is off (non-str keys, tensors nested in a value, bare tensor names),
-    which `_check_tensors` then reports."""
-    extras = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+    "resnet18", "best_acc1": torch.tensor(71.2)}`: values that hold no tensor, and 0-d tensors
+    under a bare name (`best_acc1`, AveragedModel's `n_averaged`), beside tensors named like a
+    module's (`conv1.weight`). Empty when anything else is off (non-str keys, tensors nested in a
+    value, other bare tensor names), which `_check_tensors` then reports."""
+    if not all(isinstance(k, str) for k in sd):
+        return []
+    extras = [k for k, v in sd.items()
+              if not isinstance(v, torch.Tensor) or ("." not in k and v.ndim == 0)]
     tensor_keys = [k for k in sd if k not in extras]
-    if (not extras or not tensor_keys or not all(isinstance(k, str) for k in sd)
-            or not all("." in k for k in tensor_keys) or any(_holds_tensors(sd[k]) for k in extras)):
+    if (not extras or not tensor_keys or not all("." in k for k in tensor_keys)
+            or any(_holds_tensors(sd[k]) for k in extras if not isinstance(sd[k], torch.Tensor))):
         return []
     return extras
 
