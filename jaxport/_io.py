@@ -120,7 +120,10 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # e.g. `path` is a directory: name it, not the temporary file
+            raise OSError(e.errno, e.strerror, str(path)) from e
     finally:
         Path(tmp).unlink(missing_ok=True)
 

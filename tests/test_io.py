@@ -107,3 +107,17 @@ def test_a_torch_checkpoint_in_safetensors_form_is_named_as_such(tmp_path):
                                 str(path), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=r"'.*hub.safetensors' holds torch-style keys .* `jaxport port "):
         jaxport.load_variables(path)
+
+
+def test_atomic_path_names_the_target_when_the_rename_fails(tmp_path):
+    """A directory where the file should go (e.g. a workdir's training_curves.png/) failed with
+    the hidden temporary file's name."""
+    from jaxport._io import atomic_path
+
+    target = tmp_path / "training_curves.png"
+    (target / "inside").mkdir(parents=True)
+    with pytest.raises(OSError) as err:
+        with atomic_path(target) as tmp:
+            tmp.write_bytes(b"png")
+    assert err.value.filename == str(target), err.value
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["training_curves.png"]  # no temporary left

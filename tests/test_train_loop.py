@@ -198,6 +198,11 @@ def test_resume_says_which_settings_changed(tmp_path):
                          "sync_bn": True}), log=changed.append)
     assert ("resuming from step 2 with changed settings: --epochs 3 (was 2), --lr 0.01 (was 0.05), --sync-bn True "
             "(was False) (the cosine schedule now ends at the new --epochs)") in changed, changed
+    # A momentum of 0 keeps no buffer (as torch): the state's structure differs. This said
+    # "cannot be read ... delete checkpoints/3" of a good checkpoint.
+    with pytest.raises(ConfigError, match=r"--resume: `--momentum` \(=0.0\) cannot continue the run in .*, trained "
+                                          r"with --momentum 0.9: changing it to or from 0"):
+        train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 4, "momentum": 0.0}))
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -120,7 +120,7 @@ def _clean_stop(results, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["flag", "init", "workdir"])
+@pytest.mark.parametrize("case", ["flag", "init", "workdir", "data"])
 def test_processes_started_differently_are_refused_on_every_process(tmp_path, case):
     """A difference between the processes' launch lines trained silently wrong weights (another
     --lr or --init on one process; only process 0's are saved), or hung (separate workdirs;
@@ -137,6 +137,17 @@ def test_processes_started_differently_are_refused_on_every_process(tmp_path, ca
             torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp_path / f"r18_{seed}.pth")
         extra = [["--workdir", "w", "--init", f"r18_{i}.pth"] for i in range(2)]
         pattern = r"different settings \(starting weights \(--init, --seed\): \w+ on process 0, \w+ on process 1\)"
+    elif case == "data":  # the same file names and counts; one image of another size on process 1
+        from PIL import Image
+
+        for root in ("d0", "d1"):
+            for c in ("a", "b"):
+                os.makedirs(tmp_path / root / c)
+                for i in range(20):
+                    side = 24 if (root, c, i) == ("d1", "b", 7) else 20
+                    Image.new("RGB", (side, side), (i, 0, 0)).save(tmp_path / root / c / f"{i}.png")
+        extra = [["--workdir", "w", "--data", f"d{i}"] for i in range(2)]
+        pattern = r"different settings \(--data \(files\): \w+ on process 0, \w+ on process 1\)"
     else:
         extra = [["--workdir", "w0"], ["--workdir", "w1"]]
         pattern = (r"`--workdir` must be one directory that every process sees .*process 0 writes \S+w0, which "
@@ -167,3 +178,14 @@ def test_one_process_failing_mid_run_stops_every_process_with_its_error(tmp_path
     _clean_stop(results, r"image \S+\.jpg cannot be decoded past its header")
     assert re.search(r"^jaxport: error: process 1 stopped \(`--data`: image \S+bad\S+\.jpg cannot be decoded", results[0][1], re.M)
     assert time.time() - t0 < 120  # jax's own timeouts are 100 s (heartbeat) and 300 s (shutdown)
+
+
+@pytest.mark.slow
+def test_a_flag_error_before_connecting_stops_every_process(tmp_path):
+    """Process 1's flags fail validation (before jax connects): it exited alone and process 0
+    waited five minutes for it to connect. It now connects first to tell the others."""
+    t0 = time.time()
+    results = _run_two(tmp_path, [["--workdir", "w"], ["--workdir", "w", "--data", str(tmp_path / "missing")]])
+    _clean_stop(results, r"`--data` \(=\S+missing\) is not a directory")
+    assert re.search(r"^jaxport: error: process 1 stopped \(`--data`", results[0][1], re.M), results[0][1]
+    assert time.time() - t0 < 120

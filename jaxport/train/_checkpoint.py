@@ -118,6 +118,12 @@ def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None
                                                          meta=ocp.args.JsonRestore()))
         return out["state"], dict(out["meta"])
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
+        if "tree structures do not match" in str(e):  # readable, but not into this run's state
+            raise CheckpointError(
+                f"checkpoint step {step} in {_where(mngr)} holds a training state of another structure than this "
+                "run's (the optimizer's settings differ, e.g. --momentum or --weight-decay changed to or from 0); "
+                "the checkpoint is intact: resume with the settings it was trained with, or start a new --workdir"
+            ) from None
         raise _unreadable(_where(mngr), step, e, steps) from None
 
 

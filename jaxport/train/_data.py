@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 import pickle
 import warnings
@@ -62,6 +63,7 @@ class Data:
     val: Split
     classes: list[str]
     skipped: int = 0  # unreadable images left out, with a warning
+    fingerprint: str = ""  # of the files (names, labels, some sizes): processes must hold the same data
 
     @property
     def num_classes(self) -> int:
@@ -391,4 +393,19 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     if skipped:  # the one summary line (each file was named as it was skipped)
         warnings.warn(f"{skipped} unreadable image(s) skipped in {root}", stacklevel=2)
     return Data(_torch_split(train_samples, train_tf, seed, workers), _torch_split(val_samples, val_tf, seed, workers),
-                classes, skipped)
+                classes, skipped, _fingerprint(root, train_samples, val_samples))
+
+
+def _fingerprint(root: str, *splits: list[tuple[str, int]], sizes: int = 256) -> str:
+    """A digest of each split's files (paths relative to `root`, labels) and of the sizes of up
+    to `sizes` of them, evenly spread: two processes reading other copies of a data set (each
+    machine mounts its own) agree on it unless the copies differ. Sizes of a sample only, since
+    a stat per file of a million-image set on a network file system takes minutes."""
+    h = hashlib.sha256()
+    for split in splits:
+        h.update(b"split;")
+        for path, label in split:
+            h.update(f"{os.path.relpath(path, root)}:{label};".encode())
+        for path, _ in split[::max(1, len(split) // sizes)][:sizes]:
+            h.update(f"{os.path.getsize(path)};".encode())
+    return h.hexdigest()[:16]

@@ -40,7 +40,11 @@ _JAX_TIMEOUT_MARGIN_S = 30
 EXIT_NOT_CONNECTED = 2
 
 
-def _give_up(coordinator: str, num_processes: int, timeout_s: float) -> None:
+def _give_up(coordinator: str, num_processes: int, timeout_s: float, pending: Exception | None = None) -> None:
+    if pending is not None:  # connecting only to tell the others about this error
+        print(f"jaxport: error: {pending} (the other processes did not all connect within {timeout_s:g} s to be "
+              "told)", file=sys.stderr, flush=True)
+        os._exit(EXIT_NOT_CONNECTED)
     print(f"jaxport: error: the {num_processes} processes did not all connect to the coordinator at {coordinator} "
           f"within {timeout_s:g} s: start every process (--process-id 0 to {num_processes - 1}) with the same "
           "--coordinator and --num-processes", file=sys.stderr, flush=True)
@@ -86,9 +90,16 @@ def _wait_for_coordinator(coordinator: str, host: str, port: int, timeout_s: flo
         time.sleep(min(1.0, max(deadline - time.monotonic(), 0.0)))
 
 
+def requested(coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
+    """Whether this process is launched as one of several (explicitly, or by a cluster)."""
+    return (num_processes is not None and num_processes > 1 and coordinator is not None
+            and process_id is not None) or _in_cluster()
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, *, connect_timeout_s: float = CONNECT_TIMEOUT_S,
-               log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True)) -> bool:
+               log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr, flush=True),
+               pending_error: Exception | None = None) -> bool:
     """Start jax's multi-process runtime when asked to or when launched by a cluster.
 
     With `coordinator`, `num_processes` and `process_id` given, uses them (e.g.
@@ -100,7 +111,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     wait (up to `connect_timeout_s`) until it answers, so a wrong address or a process 0 that
     never started is a clear error. If the processes have not all connected after
     `connect_timeout_s`, the process prints one line and exits with status 2 (jax itself would
-    abort with a C++ stack trace 30 s later).
+    abort with a C++ stack trace 30 s later). `pending_error`: this process connects only to
+    tell the others about it (`publish_failure`); if they never connect, it is what is printed.
 
     Raises:
       ConfigError: only some of the three explicit arguments given, inconsistent ones, a port
@@ -128,7 +140,8 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             _wait_for_coordinator(coordinator, host, int(port), connect_timeout_s, log)
         # jax's own timeout ends in a C++ abort with a stack trace; a watchdog that fires first
         # ends the process with one line instead. Nothing has been written yet at this point.
-        watchdog = threading.Timer(connect_timeout_s, _give_up, (coordinator, num_processes, connect_timeout_s))
+        watchdog = threading.Timer(connect_timeout_s, _give_up,
+                                   (coordinator, num_processes, connect_timeout_s, pending_error))
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -249,7 +262,8 @@ def _everywhere(message: str) -> ConfigError:
 # cause. Each then exits with os._exit, skipping jax's shutdown barrier (which would wait for the
 # processes stuck in a collective), process 0 last: it hosts the service.
 _FAILED, _EXITING = "jaxport/failed/", "jaxport/exiting/"
-EXIT_FAILED = 2  # the CLI's status for an error
+EXIT_FAILED, EXIT_INTERRUPTED = 2, 130  # the CLI's statuses for an error and for Ctrl-C
+_INTERRUPTED = "interrupted (Ctrl-C)"
 _POLL_S, _EXIT_WAIT_S = 0.5, 10.0
 _watch = {"started": False, "published": False}
 
@@ -306,8 +320,12 @@ def watch_for_failures() -> None:
                             if int(k.rsplit("/", 1)[1]) != me)
             if others and not _watch["published"]:  # a process that failed itself exits from atexit
                 who, why = others[0]
-                print(f"\njaxport: error: process {who} stopped ({why}), so process {me} stops too; fix the cause "
-                      "and start every process again (--resume continues from the latest checkpoint)",
+                if why == _INTERRUPTED:
+                    what, fix = f"was {why}", "start every process again with --resume to continue from the latest checkpoint"
+                else:
+                    what, fix = f"stopped ({why})", ("fix the cause and start every process again (--resume "
+                                                     "continues from the latest checkpoint)")
+                print(f"\njaxport: error: process {who} {what}, so process {me} stops too; {fix}",
                       file=sys.stderr, flush=True)
                 _exit_together(client, EXIT_FAILED)
 
@@ -321,9 +339,12 @@ def publish_failure(error: BaseException) -> None:
     together (`every_process`) need no telling."""
     if not _watch["started"] or getattr(error, "every_process", False):
         return
-    text = (str(error).strip().splitlines() or [""])[0] or type(error).__name__
-    if not isinstance(error, JaxportError):
-        text = f"{type(error).__name__}: {text}"
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C on this process alone
+        text, _watch["code"] = _INTERRUPTED, EXIT_INTERRUPTED
+    else:
+        text = (str(error).strip().splitlines() or [""])[0] or type(error).__name__
+        if not isinstance(error, JaxportError):
+            text = f"{type(error).__name__}: {text}"
     try:
         _client().key_value_set(_FAILED + str(jax.process_index()), text[:2000])
     except Exception:  # noqa: BLE001 - best effort: the others then stop at jax's timeouts
@@ -333,4 +354,14 @@ def publish_failure(error: BaseException) -> None:
 
 def _exit_if_published() -> None:
     if _watch["published"]:
-        _exit_together(_client(), EXIT_FAILED)
+        _exit_together(_client(), _watch.get("code", EXIT_FAILED))
+
+
+def finish_together() -> None:
+    """Wait until every process has finished its part of the run: one that fails in its final
+    writes (process 0 writes the plot and the final variables) then stops the others here,
+    before they report success."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("jaxport: run finished")

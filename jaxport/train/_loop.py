@@ -219,6 +219,18 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
 _RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "dtype")
 
 
+def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
+    """A momentum of 0 keeps no momentum buffer and a weight decay of 0 no decay step (as torch):
+    the optimizer state then has another structure, which a checkpoint cannot be restored into."""
+    for key in ("momentum", "weight_decay"):
+        if saved is not None and key in saved and (saved[key] == 0) != (now[key] == 0):
+            flag = "--" + key.replace("_", "-")
+            raise ConfigError(f"--resume: `{flag}` (={now[key]}) cannot continue the run in {workdir}, trained with "
+                              f"{flag} {saved[key]}: changing it to or from 0 changes what the optimizer keeps "
+                              f"(its state), so the checkpoint cannot be restored; resume with a {flag} that is "
+                              f"{'0' if saved[key] == 0 else 'not 0'}, or start a new --workdir")
+
+
 def _changes(saved: dict | None, now: dict) -> str:
     """` with changed settings: --lr 0.01 (was 0.05), ...`, or nothing."""
     if saved is None:  # written before settings were recorded
@@ -367,10 +379,18 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     and exit with status 2 at once (they are blocked in the step's collectives, where no
     exception can reach them); the one that failed raises as usual and exits with status 2 too.
     """
-    _validate(cfg)
-    _distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    invalid = None
+    try:
+        _validate(cfg)
+    except ConfigError as e:
+        if not _distributed.requested(cfg.coordinator, cfg.num_processes, cfg.process_id):
+            raise
+        invalid = e  # the other processes are waiting for this one to connect: tell them first
+    _distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, pending_error=invalid)
     _distributed.watch_for_failures()
     try:
+        if invalid is not None:
+            raise invalid
         return _train(cfg, log)
     except Interrupted:  # every process stops at the same step (jax's preemption sync point)
         raise
@@ -400,6 +420,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     # What the flags cannot show: each process reads its own copy of --data and --init.
     _distributed.check_same_settings({"--data (classes)": data.classes,
                                       "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
+                                      "--data (files)": data.fingerprint,
                                       "starting weights (--init, --seed)": _digest(variables)})
 
     per_device_batch = None
@@ -455,6 +476,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         if cfg.resume and mngr.all_steps():
             saved = _checkpoint.latest_meta(mngr)
             _check_resumable(saved, meta, cfg.workdir)
+            _check_optimizer_state(saved.get("settings"), meta["settings"], cfg.workdir)
             state, saved = _checkpoint.restore(mngr, state)
             meta["epoch_sums"] = saved["epoch_sums"]
             say(f"resuming from step {int(state.step)}{_changes(saved.get('settings'), meta['settings'])}")
@@ -568,13 +590,14 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         # On every exit: left open, orbax's threads and event loop outlive the error and print
         # asyncio tracebacks ("Event loop is closed") as the interpreter shuts down.
         mngr.close()
-    if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-        plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     if lead:  # the final weights in jaxport's variables format, readable whatever the topology
         # (replicated, so this process's first shard is the value); `jaxport export`, `verify`
-        # and `--init` read it like any ported file.
+        # and `--init` read it like any ported file. Before the plot: the weights matter more.
         final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.variables)
         save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch)
+    if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
+        plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
+    _distributed.finish_together()
     result["state"] = state
     result["steps_run"] = gstep - start
     return result
