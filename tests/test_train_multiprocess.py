@@ -159,8 +159,8 @@ def test_processes_started_differently_are_refused_on_every_process(tmp_path, ca
 
 @pytest.mark.slow
 def test_one_process_failing_mid_run_stops_every_process_with_its_error(tmp_path):
-    """Process 1's images do not decode past their headers (same names, so the settings agree):
-    it stops at its first batch. Process 0, waiting in that step's collectives, was stuck until
+    """Process 1's images do not decode past their headers (same names and sizes, so the
+    settings agree: the second half of each JPEG is 0xFF fill): it stops at its first batch. Process 0, waiting in that step's collectives, was stuck until
     jax's timeouts, then aborted in C++; now both stop within seconds, naming the image."""
     from PIL import Image
 
@@ -172,7 +172,8 @@ def test_one_process_failing_mid_run_stops_every_process_with_its_error(tmp_path
                 Image.fromarray(img).save(tmp_path / root / c / f"{i}.jpg", quality=95)
                 if root == "bad":
                     path = tmp_path / root / c / f"{i}.jpg"
-                    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+                    data = path.read_bytes()
+                    path.write_bytes(data[:len(data) // 2] + b"\xff" * (len(data) - len(data) // 2))
     t0 = time.time()
     results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d)] for d in ("good", "bad")])
     _clean_stop(results, r"image \S+\.jpg cannot be decoded past its header")
