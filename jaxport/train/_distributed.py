@@ -303,7 +303,8 @@ def _exit_together(client, code: int) -> None:
 def watch_for_failures() -> None:
     """In a multi-process run, stop this process (status 2, one line) as soon as another one
     stops with an error (`publish_failure`). A process killed outright (SIGKILL, a lost machine)
-    cannot say so: then jax's own heartbeat timeout (100 s) stops the others, with its message."""
+    cannot say so: then jax stops the others itself, with its own message (at once when process
+    0 died, else within its heartbeat timeout, 100 s)."""
     if jax.process_count() == 1 or _watch["started"]:
         return
     _watch["started"] = True
@@ -321,7 +322,8 @@ def watch_for_failures() -> None:
             if others and not _watch["published"]:  # a process that failed itself exits from atexit
                 who, why = others[0]
                 if why == _INTERRUPTED:
-                    what, fix = f"was {why}", "start every process again with --resume to continue from the latest checkpoint"
+                    what, fix = f"was {why}", ("start every process again with --resume to continue from the "
+                                               "latest checkpoint")
                 else:
                     what, fix = f"stopped ({why})", ("fix the cause and start every process again (--resume "
                                                      "continues from the latest checkpoint)")
