@@ -236,10 +236,9 @@ def _cmd_port(args) -> int:
         ok = True
         if args.verify:
             step("cross-checking against torchvision")
-            from torch_compat._convert import cast_floating
-
             # The port holds the cast weights: it is checked against torch running those.
-            ok = _print_reports(torch_compat.cross_check(cast_floating(state_dict, dtype), variables, arch=detected))
+            as_ported = torch_compat.cast_floating(state_dict, dtype)
+            ok = _print_reports(torch_compat.cross_check(as_ported, variables, arch=detected))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
           if args.verify else f"next: jaxport verify {shlex.quote(str(ckpt))} {shlex.quote(str(out))}"
                               f"{_loading_flags(args)}")
@@ -282,7 +281,7 @@ def _cmd_verify(args) -> int:
 def _as_ported(state_dict, variables, shown: str):
     """The checkpoint's weights in the dtype its port holds: a `jaxport port --dtype` port equals
     torch's cast of the checkpoint, so that is what it is checked against."""
-    from torch_compat._convert import cast_floating
+    import torch_compat
 
     from ._io import flatten
 
@@ -294,7 +293,7 @@ def _as_ported(state_dict, variables, shown: str):
     (dtype,) = ported
     print(f"note: '{shown}' holds {dtype} weights and the checkpoint {'/'.join(sorted(held))}: checking it "
           f"against the checkpoint cast to {dtype}, as `jaxport port --dtype {dtype}` writes it")
-    return cast_floating(state_dict, dtype)
+    return torch_compat.cast_floating(state_dict, dtype)
 
 
 def _cmd_export(args) -> int:

@@ -296,7 +296,7 @@ def test_dtype_casts_every_floating_tensor_like_torch(source, target):
 def test_a_cast_port_cross_checks_against_torchs_cast():
     sd = reference("resnet18").state_dict()
     variables = torch_compat.torch_to_flax(sd, dtype="bfloat16")
-    (report,) = torch_compat.cross_check(torch_compat._convert.cast_floating(sd, "bfloat16"), variables,
+    (report,) = torch_compat.cross_check(torch_compat.cast_floating(sd, "bfloat16"), variables,
                                          modes=("eval",))
     assert report.ok, report.table()
     # the float32 original is not what the port holds: bfloat16 rounding is far beyond 1e-4

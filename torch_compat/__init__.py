@@ -4,6 +4,7 @@ Safe checkpoint loading, torchvision state_dict <-> Flax conversion, cross-check
 torch-equivalent optimizers. Only this package imports torch.
 """
 from ._convert import backbone_state_dict as backbone_state_dict
+from ._convert import cast_floating as cast_floating
 from ._convert import detect_arch as detect_arch
 from ._convert import flax_to_torch as flax_to_torch
 from ._convert import num_classes_of as num_classes_of
