@@ -63,7 +63,9 @@ class Data:
     val: Split
     classes: list[str]
     skipped: int = 0  # unreadable images left out, with a warning
-    fingerprint: str = ""  # of the files (names, labels, some sizes): processes must hold the same data
+    # `() -> str` digest of the files (names, labels, some sizes), which every process of a run
+    # must share; computed only when asked (multi-process runs). None: nothing to compare.
+    fingerprint: Callable[[], str] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -393,7 +395,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     if skipped:  # the one summary line (each file was named as it was skipped)
         warnings.warn(f"{skipped} unreadable image(s) skipped in {root}", stacklevel=2)
     return Data(_torch_split(train_samples, train_tf, seed, workers), _torch_split(val_samples, val_tf, seed, workers),
-                classes, skipped, _fingerprint(root, train_samples, val_samples))
+                classes, skipped, functools.partial(_fingerprint, root, train_samples, val_samples))
 
 
 def _fingerprint(root: str, *splits: list[tuple[str, int]], sizes: int = 256) -> str:

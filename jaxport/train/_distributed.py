@@ -199,7 +199,7 @@ def check_same_settings(settings: dict) -> None:
         if any(v != values[0] for v in values):
             per = ", ".join(f"{_show(v)} on process {i}" for i, v in enumerate(values))
             diffs.append(f"{flag}: {per}")
-    raise ConfigError(f"the {len(every)} processes were started with different settings ({'; '.join(diffs)}); "
+    raise _everywhere(f"the {len(every)} processes were started with different settings ({'; '.join(diffs)}); "
                       "every process must run the same command apart from --process-id (nothing was trained)")
 
 

@@ -417,11 +417,12 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
     fresh = jax.tree.map(np.asarray, fresh)
     variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say) if cfg.init else fresh
-    # What the flags cannot show: each process reads its own copy of --data and --init.
-    _distributed.check_same_settings({"--data (classes)": data.classes,
-                                      "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
-                                      "--data (files)": data.fingerprint,
-                                      "starting weights (--init, --seed)": _digest(variables)})
+    if n_proc > 1:  # what the flags cannot show: each process reads its own copy of --data and --init
+        _distributed.check_same_settings({
+            "--data (classes)": data.classes,
+            "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
+            "--data (files)": data.fingerprint() if data.fingerprint else "",
+            "starting weights (--init, --seed)": _digest(variables)})
 
     per_device_batch = None
     if cfg.batch_size == "auto":
