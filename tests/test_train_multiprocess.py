@@ -100,6 +100,36 @@ def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(tmp_pat
     assert f"resuming from step {step}" in outs[0][1]
 
 
+@pytest.mark.slow
+def test_sigkill_of_one_process_stops_the_other_with_one_line(tmp_path):
+    """A process killed outright (the out-of-memory killer's SIGKILL) cannot tell the others.
+    Process 0 waited in the step's collective until jax's heartbeat verdict (~50 s here), then
+    aborted in C++ with a stack trace; killed during the first step, it died of a Gloo timeout
+    traceback after 30 s. Now the heartbeat watcher names the silent process within ~15 s."""
+    workdir = tmp_path / "run"
+    args = [a for a in ARGS if a != "--sync-bn"]
+    args[args.index("--max-steps") + 1] = "500"
+    args[args.index("--checkpoint-every") + 1] = "3"
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", "--workdir", str(workdir), *args,
+                               "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    deadline = time.time() + 300
+    while not (workdir / "checkpoints" / "3").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert procs[0].poll() is None and procs[1].poll() is None
+    procs[1].kill()
+    t0 = time.time()
+    _, err = procs[0].communicate(timeout=200)
+    waited = time.time() - t0
+    procs[1].communicate(timeout=10)
+    assert procs[0].returncode == 2, err[-3000:]
+    assert "Traceback" not in err and "Check failure" not in err, err[-3000:]
+    assert re.search(r"^jaxport: error: process 1 stopped responding \(no heartbeat for 15 s: killed", err, re.M), err
+    assert waited < 45, waited  # 15 s of silence, up to 10 s waiting for the others' exits, slack
+
+
 def _run_two(tmp_path, per_process, timeout=300):
     """Launch processes 0 and 1 with `ARGS` + `per_process[i]`; their (returncode, stderr)."""
     port = _free_port()

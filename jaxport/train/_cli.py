@@ -82,21 +82,3 @@ def summary(result: dict, workdir: str) -> str:
     last = (f"; last evaluation (epoch {result['epoch'] + 1}, step {result['step']}): val accuracy "
             f"{result['val_acc']:.4f}") if "val_acc" in result else ""
     return f"stopped at step {step} (--max-steps){last}, checkpoints in {workdir}"
-
-
-def main(argv=None) -> int:
-    """Stand-alone entry (`python -m jaxport.train ...`) until the lead's CLI wires it in."""
-    from .._errors import JaxportError
-
-    parser = argparse.ArgumentParser(prog="jaxport")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_parser(sub)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "train":
-        argv = ["train", *argv]
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except JaxportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2

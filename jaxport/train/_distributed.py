@@ -261,11 +261,17 @@ def _everywhere(message: str) -> ConfigError:
 # key-value store, and every process watches it: all stop within a second, each printing the
 # cause. Each then exits with os._exit, skipping jax's shutdown barrier (which would wait for the
 # processes stuck in a collective), process 0 last: it hosts the service.
-_FAILED, _EXITING = "jaxport/failed/", "jaxport/exiting/"
+# A process killed outright (SIGKILL, the kernel's out-of-memory killer) cannot write anything,
+# so every watcher also bumps a heartbeat key twice a second and reads the others': one that has
+# not moved for _STALE_S means that process is gone. jax's own verdict came only after ~50 s,
+# as a C++ abort with a stack trace (or, in a first step's collective, a Gloo timeout traceback
+# after 30 s); _STALE_S comes first, and is long enough that a busy process (compiling, loading
+# data: the heartbeat thread needs the GIL only for microseconds) is never taken for a dead one.
+_FAILED, _EXITING, _ALIVE = "jaxport/failed/", "jaxport/exiting/", "jaxport/alive/"
 EXIT_FAILED, EXIT_INTERRUPTED = 2, 130  # the CLI's statuses for an error and for Ctrl-C
 _INTERRUPTED = "interrupted (Ctrl-C)"
-_POLL_S, _EXIT_WAIT_S = 0.5, 10.0
-_watch = {"started": False, "published": False}
+_POLL_S, _EXIT_WAIT_S, _STALE_S = 0.5, 10.0, 15.0
+_watch = {"started": False, "published": False, "finished": False}
 
 
 def _client():
@@ -278,9 +284,10 @@ def _senders(client, prefix: str) -> set[int]:
     return {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
 
 
-def _exit_together(client, code: int) -> None:
+def _exit_together(client, code: int, gone: frozenset[int] = frozenset()) -> None:
     """os._exit(code); process 0 last, since it hosts the service (the others abort in C++
-    when it disappears first) and the store the others may still be reading."""
+    when it disappears first) and the store the others may still be reading. Process 0 does
+    not wait for the processes `gone` (killed: they will never say they exit)."""
     sys.stdout.flush()
     sys.stderr.flush()
     me, n = jax.process_index(), jax.process_count()
@@ -291,7 +298,7 @@ def _exit_together(client, code: int) -> None:
     deadline = time.monotonic() + _EXIT_WAIT_S
     while time.monotonic() < deadline:
         try:
-            if len(_senders(client, _EXITING)) >= n - 1:
+            if len(_senders(client, _EXITING) | gone) >= n - 1:
                 time.sleep(0.2)  # their os._exit, just after they said so
                 break
         except Exception:  # noqa: BLE001
@@ -302,24 +309,35 @@ def _exit_together(client, code: int) -> None:
 
 def watch_for_failures() -> None:
     """In a multi-process run, stop this process (status 2, one line) as soon as another one
-    stops with an error (`publish_failure`). A process killed outright (SIGKILL, a lost machine)
-    cannot say so: then jax stops the others itself, with its own message (at once when process
-    0 died, else within its heartbeat timeout, 100 s)."""
+    stops with an error (`publish_failure`) or stops sending heartbeats for `_STALE_S` (killed
+    outright: SIGKILL, out of memory, a lost machine). When process 0 itself is killed, the
+    coordination service goes with it and jax aborts the others at once, with its own message:
+    nothing in Python runs first."""
     if jax.process_count() == 1 or _watch["started"]:
         return
     _watch["started"] = True
     client, me = _client(), jax.process_index()
 
+    def stop(message: str, gone: frozenset[int] = frozenset()) -> None:
+        print(f"\njaxport: error: {message}", file=sys.stderr, flush=True)
+        _exit_together(client, EXIT_FAILED, gone)
+
     def loop():
-        while True:
-            time.sleep(_POLL_S)
+        beats = 0
+        seen: dict[int, tuple[str, float]] = {}  # process -> (its last heartbeat, when it changed here)
+        while not _watch["finished"]:
+            beats += 1
             try:
+                client.key_value_set(_ALIVE + str(me), str(beats), allow_overwrite=True)
                 failed = dict(client.key_value_dir_get(_FAILED))
+                alive = dict(client.key_value_dir_get(_ALIVE))
             except Exception:  # noqa: BLE001 - the service is shutting down: the run is over
                 return
+            if _watch["published"] or _watch["finished"]:
+                return  # a process that failed itself exits from atexit
             others = sorted((int(k.rsplit("/", 1)[1]), v) for k, v in failed.items()
                             if int(k.rsplit("/", 1)[1]) != me)
-            if others and not _watch["published"]:  # a process that failed itself exits from atexit
+            if others:
                 who, why = others[0]
                 if why == _INTERRUPTED:
                     what, fix = f"was {why}", ("start every process again with --resume to continue from the "
@@ -327,12 +345,37 @@ def watch_for_failures() -> None:
                 else:
                     what, fix = f"stopped ({why})", ("fix the cause and start every process again (--resume "
                                                      "continues from the latest checkpoint)")
-                print(f"\njaxport: error: process {who} {what}, so process {me} stops too; {fix}",
-                      file=sys.stderr, flush=True)
-                _exit_together(client, EXIT_FAILED)
+                stop(f"process {who} {what}, so process {me} stops too; {fix}")
+            now = time.monotonic()
+            for key, beat in alive.items():
+                who = int(key.rsplit("/", 1)[1])
+                if who != me and seen.get(who, ("", 0.0))[0] != beat:
+                    seen[who] = (beat, now)
+            silent = sorted(who for who, (_, since) in seen.items() if now - since > _STALE_S)
+            if silent:
+                names = ", ".join(map(str, silent))
+                stop(f"process {names} stopped responding (no heartbeat for {_STALE_S:g} s: killed, e.g. by the "
+                     f"out-of-memory killer, or its machine lost), so process {me} stops too; see that process's "
+                     "log and its machine's kernel log (dmesg), then start every process again (--resume continues "
+                     "from the latest checkpoint)", frozenset(silent))
+            time.sleep(_POLL_S)
 
     threading.Thread(target=loop, daemon=True, name="jaxport-failure-watch").start()
     atexit.register(_exit_if_published)  # after jax's shutdown hook, so it runs first
+
+
+def await_lost_process(error: BaseException) -> None:
+    """Called with an error this process is about to stop with: when it is jax's, raised by a
+    collective that lost its peer (a Gloo or coordination-service timeout: the other process
+    was killed), give the watcher time to name the process that died; it then exits this
+    process itself with that message, instead of the timeout's."""
+    if not _watch["started"] or _watch["published"] or isinstance(error, (JaxportError, KeyboardInterrupt)):
+        return
+    if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+        return
+    deadline = time.monotonic() + _STALE_S + 4 * _POLL_S
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)
 
 
 def publish_failure(error: BaseException) -> None:
@@ -367,3 +410,4 @@ def finish_together() -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices("jaxport: run finished")
+        _watch["finished"] = True  # from here the processes exit one by one: silence is expected
