@@ -45,8 +45,11 @@ def test_two_processes_equal_one_process(tmp_path):
                               env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for i in range(2)]
     outs = [p.communicate(timeout=400) for p in procs]
-    for p, (_, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
+        # stdout is the result line alone: jax's Gloo collectives print "[Gloo] Rank 0 is
+        # connected to 1 peer ranks ..." on it from C++, now redirected to stderr while training.
+        assert re.fullmatch(r"stopped at step 1 \(--max-steps\).*checkpoints in \S+two\n", out), out
     assert "over 4 device(s) in 2 process(es)" in outs[0][1]
 
     # Read as `jaxport export WORKDIR` reads them: the 2-process checkpoint restores in this
@@ -220,3 +223,31 @@ def test_a_flag_error_before_connecting_stops_every_process(tmp_path):
     _clean_stop(results, r"`--data` \(=\S+missing\) is not a directory")
     assert re.search(r"^jaxport: error: process 1 stopped \(`--data`", results[0][1], re.M), results[0][1]
     assert time.time() - t0 < 120
+
+
+_AUTO = """
+import sys
+from jaxport.train import TrainConfig, train
+train(TrainConfig(workdir=sys.argv[1], batch_size="auto", memory_limit_bytes=int(sys.argv[2]) << 20, arch="resnet18",
+                  image_size=16, epochs=1, max_steps=1, progress=False, coordinator=sys.argv[3], num_processes=2,
+                  process_id=int(sys.argv[4])), log=lambda m: print(m, file=sys.stderr, flush=True))
+"""
+
+
+@pytest.mark.slow
+def test_batch_size_auto_takes_the_smallest_process_pick(tmp_path):
+    """Each process measures its own devices' memory; the step is one program over all of
+    them, so every process must take the smallest pick (else their shards' shapes differ and
+    the step cannot be built). Process 0 is given room for 256 per device, process 1 far less."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _AUTO, str(tmp_path / "w"), str(limit), f"127.0.0.1:{port}",
+                               str(i)], env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, limit in enumerate((300, 190))]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    err0 = outs[0][1]
+    assert "--batch-size auto: 256 per device, the most it picks" in err0, err0  # process 0's own pick
+    agreed = re.search(r"process 0: --batch-size auto: (\d+) per device, the most every process fits", err0)
+    assert agreed and 2 <= int(agreed[1]) < 256, err0
+    assert f"global batch {4 * int(agreed[1])} ({agreed[1]} per device)" in err0, err0

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 from ._loop import Interrupted, TrainConfig, train
@@ -63,12 +65,34 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 def run(args: argparse.Namespace) -> int:
     """Run `jaxport train`; JaxportError propagates to the CLI, which prints it on one line."""
     try:
-        result = train(config_from_args(args))
+        with _stdout_to_stderr():
+            result = train(config_from_args(args))
     except Interrupted as e:  # SIGINT/SIGTERM: the last finished step was checkpointed
         print(f"jaxport: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
     print(summary(result, args.workdir))
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """jax's CPU collectives (Gloo) print "[Gloo] Rank 0 is connected to 1 peer ranks ..." from
+    C++ on the process's stdout, once per new group of devices. `jaxport train` keeps stdout for
+    its result line (scripts read it), so while training, file descriptor 1 points at stderr."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout at all: nothing to keep clean
+        yield
+        return
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def summary(result: dict, workdir: str) -> str:
