@@ -76,3 +76,36 @@ def test_rank_errors_name_the_argument():
         rank(jnp.zeros((2, 3)), axis=2)
     with pytest.raises(ConfigError, match="`x` has dtype complex64"):
         rank(jnp.zeros(3, jnp.complex64))
+
+
+@pytest.mark.parametrize("case", ["int64", "float64", "torch_int64", "python_ints"])
+def test_64bit_inputs_jax_would_narrow_are_refused(case):
+    """With jax's 64-bit mode off (the default), jnp.asarray wraps int64 to int32 and rounds
+    float64 to float32 without a word: rank([2**40, 1, -2**40, 5]) came out [0, 2, 1, 3] where
+    torch gives [3, 1, 0, 2], and float64 values 1e-12 apart became ties."""
+    import torch
+
+    x = {"int64": np.array([2**40, 1, -2**40, 5], np.int64),
+         "float64": np.array([1 + 1e-12, 1.0, 1e-50, 0.0]),
+         "torch_int64": torch.tensor([2**40, 1]),
+         "python_ints": [2**40, 1]}[case]
+    assert not jax.config.jax_enable_x64
+    reference = torch.as_tensor(x)
+    want = torch_rank(reference, -1, False)
+    narrowed = np.asarray(reference.numpy().astype(np.float32 if reference.is_floating_point() else np.int32))
+    assert not np.array_equal(torch_rank(torch.from_numpy(narrowed), -1, False), want)  # what was returned
+    kind = "round it to float32" if reference.is_floating_point() else "wrap it to int32"
+    with pytest.raises(ConfigError, match=rf"`x` has dtype (float|int)64, but jax's 64-bit mode is off, so jax would "
+                                          rf"{kind}, changing \d+ of its \d+ values.*jax_enable_x64"):
+        rank(x)
+
+
+@pytest.mark.parametrize("dtype", ["int64", "float64"])
+def test_64bit_inputs_that_narrow_exactly_are_ranked_as_torch(dtype):
+    """Only a narrowing that changes a value is refused: numpy's default int64 / float64
+    arrays of representable values (e.g. np.arange, small integers as floats) still rank."""
+    import torch
+
+    x = np.random.default_rng(3).integers(-50, 50, (4, 40)).astype(dtype)
+    x[0, :5] = [-0.0, 0.0, 3, 3, -50] if dtype == "float64" else [0, 0, 3, 3, -50]
+    np.testing.assert_array_equal(np.asarray(rank(x)), torch_rank(torch.from_numpy(x), -1, False))

@@ -9,6 +9,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxport._errors import ConfigError
 from jaxport.ops import hard_negative_mask, logsumexp, rank, topk_mask
 from tests.test_ops_data import tricky, to_torch, torch_rank
 
@@ -95,6 +96,14 @@ def test_logsumexp_axis_name_gradient_is_softmax(mesh):
     want = jax.nn.softmax(x[1:], axis=-1)
     np.testing.assert_allclose(np.asarray(g[1:]), np.asarray(want), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(np.asarray(g[0]), 0.0)  # all -inf: zero, not NaN
+
+
+def test_logsumexp_axis_name_not_in_the_mesh_names_the_mesh_axes(mesh):
+    # Inside shard_map a wrong name was jax's bare `AssertionError('')` from its internals.
+    f = jax.shard_map(lambda v: logsumexp(v, axis=-1, axis_name="model"), mesh=mesh, in_specs=P(None, "d"),
+                      out_specs=P())
+    with pytest.raises(ConfigError, match=r"`axis_name` \(='model'\) names no mesh axis here.*mesh has axes \('d',\)"):
+        f(np.zeros((2, 16), np.float32))
 
 
 @pytest.mark.parametrize("split", SPLITS)

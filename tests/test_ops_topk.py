@@ -82,6 +82,20 @@ def test_topk_mask_errors_name_the_argument():
         topk_mask(x, jnp.ones(3, jnp.int32))
     with pytest.raises(ConfigError, match=r"`axis` \(=-3\)"):
         topk_mask(x, 1, axis=-3)
+    # 64-bit mode off: int64 keys 2**40 and 5 wrapped to int32, and k=1 picked 5.
+    with pytest.raises(ConfigError, match=r"`x` has dtype int64, but jax's 64-bit mode is off"):
+        topk_mask(np.array([2**40, 1, 5], np.int64), 1)
+
+
+def test_topk_mask_takes_k_as_a_list_as_torch_users_write_it():
+    # A list was refused, with a fix (`k.astype`) that a list does not have.
+    x = np.random.default_rng(5).standard_normal((3, 9)).astype(np.float32)
+    got = topk_mask(x, [1, 0, 4], largest=True)
+    want = topk_mask(x, jnp.array([1, 0, 4], jnp.int32), largest=True)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got).sum(1), [1, 0, 4])
+    with pytest.raises(ConfigError, match=r"`k` \(=\[1, 0\.5\]\) must be an int|`k` \(=array\(\[1\. , 0\.5\]\)\) must be"):
+        topk_mask(x, [1, 0.5])
 
 
 def torchvision_ssd_mining(cls_loss, foreground, ratio: int, stable: bool = False) -> torch.Tensor:
@@ -148,6 +162,11 @@ def test_hard_negative_mask_errors_name_the_argument():
         hard_negative_mask(jnp.zeros((2, 4)), jnp.zeros(3, bool))
     with pytest.raises(ConfigError, match="`loss` has dtype int32"):
         hard_negative_mask(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), bool))
+    # Under jit the ratio 3 arrived traced, and the message said it "must be a non-negative int".
+    with pytest.raises(ConfigError, match=r"`neg_pos_ratio` is traced.*static_argnames=\('neg_pos_ratio',\)"):
+        jax.jit(hard_negative_mask)(jnp.zeros((2, 4)), jnp.zeros((2, 4), bool), 3)
+    with pytest.raises(ConfigError, match=r"`loss` has dtype float64, but jax's 64-bit mode is off"):
+        hard_negative_mask(np.array([[1 + 1e-12, 1.0, 0.0]]), np.array([[False, False, True]]))
 
 
 @pytest.mark.parametrize("method", ["auto", "xla"])

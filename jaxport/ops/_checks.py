@@ -12,13 +12,50 @@ from .._errors import ConfigError
 METHODS = ("auto", "xla", "host")
 
 
-def to_array(x, name: str) -> jax.Array:
-    """`x` as a jax array of numbers or bools; anything else is one error naming `name`."""
+def to_array(x, name: str, *, exact: bool = False) -> jax.Array:
+    """`x` as a jax array of numbers or bools; anything else is one error naming `name`.
+
+    `exact`: `x`'s values decide a discrete result (an order), so a 64-bit input that jax would
+    silently narrow (64-bit mode off: int64 wraps to int32, float64 rounds to float32, making
+    close values ties) is refused when the narrowing changes any value, rather than ranked
+    differently from torch on the same input.
+    """
+    if exact and not isinstance(x, jax.Array) and not jax.config.jax_enable_x64:
+        _check_narrowing(x, name)
     try:
         return jnp.asarray(x)
+    except OverflowError:  # Python ints beyond 64 bits, or beyond 32 bits with x64 off
+        raise ConfigError(f"`{name}` holds integers too large for jax's integer types (32-bit while "
+                          "jax_enable_x64 is off); pass floats, or enable 64-bit mode with "
+                          "jax.config.update('jax_enable_x64', True)") from None
     except (TypeError, ValueError):
         raise ConfigError(f"`{name}` must be an array of numbers or bools, got {_describe(x)}; "
                           f"convert it, e.g. jnp.asarray(values, jnp.float32)") from None
+
+
+_NARROW = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32, np.dtype(np.float64): np.float32}
+
+
+def _check_narrowing(x, name: str) -> None:
+    try:
+        host = np.asarray(x)
+    except Exception:  # noqa: BLE001 - not array-like: jnp.asarray names the problem
+        return
+    narrow = _NARROW.get(host.dtype)
+    if narrow is None or host.size == 0:
+        return
+    with np.errstate(all="ignore"):
+        back = host.astype(narrow).astype(host.dtype)
+    same = (back == host) | (np.isnan(host) & np.isnan(back)) if host.dtype.kind == "f" else back == host
+    changed = int(host.size - np.count_nonzero(same))
+    if changed:
+        how = "round" if host.dtype.kind == "f" else "wrap"
+        raise ConfigError(
+            f"`{name}` has dtype {host.dtype}, but jax's 64-bit mode is off, so jax would {how} it to "
+            f"{np.dtype(narrow).name}, changing {changed} of its {host.size} values (the result could then "
+            f"differ from torch's on the {host.dtype} input); enable 64-bit mode with "
+            f"jax.config.update('jax_enable_x64', True)"
+            + (f", or cast `{name}` to float32 yourself if its rounding is acceptable" if how == "round" else ""))
 
 
 def _describe(x) -> str:

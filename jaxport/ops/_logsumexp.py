@@ -65,7 +65,8 @@ def logsumexp(
     Raises:
       ConfigError: `axis` is out of range or repeats, `a` or `b` is complex or not numbers,
         `where` is not bool, `b` / `where` do not broadcast to `a`, `keepdims` / `return_sign`
-        are not bools known when tracing, or `axis_name` is used outside ``jax.shard_map``.
+        are not bools known when tracing, or `axis_name` is not a name (an int), or names no
+        axis of the ``jax.shard_map`` it is used in (or is used outside one).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -141,33 +142,42 @@ _ONE_PASS_MIN_SIZE = 32768
 _ONE_PASS_BACKENDS = frozenset({"cpu"})
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _lse_one_pass(a: jax.Array, dims: tuple[int, ...]) -> jax.Array:
-    """log(sum(exp(a))) over `dims` (kept), in one pass over `a` whenever that is exact.
+def _one_pass_sum(a: jax.Array, dims: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """(s, m) with log(s) + m = logsumexp(a) over `dims` (kept): m = 0 and s = sum(exp(a)) in
+    one pass over `a` whenever that is exact, else the max-shifted two-pass sum.
 
     Without the shift, sum(exp(a)) is right to float rounding whenever it neither overflows
     nor is small enough for flushed terms to matter (each term lost to underflow is < tiny, and
     n of them stay below 2^-4 ulp of the sum). Otherwise (inf, NaN, all -inf, |a| ~ 1e30...)
-    the max-shifted two-pass sum runs instead.
+    the max-shifted sum runs instead.
     """
     n = int(np.prod([a.shape[d] for d in dims], dtype=np.int64))
     info = jnp.finfo(a.dtype)
     floor = float(info.tiny) * 16.0 / float(info.eps) * max(n, 1)
     s_fast = jnp.sum(jnp.exp(a), axis=dims, keepdims=True)
     exact = jnp.all((s_fast < jnp.inf) & (s_fast > floor))
-    s, m = lax.cond(exact, lambda: (s_fast, jnp.zeros_like(s_fast)), lambda: _shifted_sum(a, None, dims, None))
+    return lax.cond(exact, lambda: (s_fast, jnp.zeros_like(s_fast)), lambda: _shifted_sum(a, None, dims, None))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _lse_one_pass(a: jax.Array, dims: tuple[int, ...]) -> jax.Array:
+    """log(sum(exp(a))) over `dims` (kept), in one pass over `a` whenever that is exact."""
+    s, m = _one_pass_sum(a, dims)
     return _log_or_neg_inf(s) + m
 
 
 @_lse_one_pass.defjvp
 def _lse_one_pass_jvp(dims, primals, tangents):
     (a,), (t,) = primals, tangents
-    out = _lse_one_pass(a, dims)
-    # d out = sum(softmax(a) * da) with softmax = exp(a - out). An all -inf slice has out = -inf
-    # and softmax 0 (not NaN); a +inf slice keeps out = +inf (softmax NaN at the inf, 0 elsewhere,
-    # as torch and the shifted path); NaN stays NaN.
-    shift = jnp.where(out == -jnp.inf, jnp.zeros((), out.dtype), out)
-    return out, jnp.sum(jnp.exp(a - shift) * t, axis=dims, keepdims=True)
+    s, m = _one_pass_sum(a, dims)
+    out = _log_or_neg_inf(s) + m
+    # d out = sum(softmax(a) * da), softmax = exp(a - m) / s from the sum itself. (exp(a - out)
+    # was off by up to 0.4% at |out| ~ 1e5, where rounding `out` moves every exponent by up to
+    # ulp(out) / 2; the shifted path's autodiff has always computed it this way.) An all -inf
+    # slice has s = 0 and softmax 0 (not NaN); a +inf slice has s = +inf (softmax NaN at the inf,
+    # 0 elsewhere, as torch and the shifted path); NaN stays NaN.
+    safe = jnp.where(s == 0, jnp.ones((), s.dtype), s)
+    return out, jnp.sum(jnp.exp(a - m) * t, axis=dims, keepdims=True) / safe
 
 
 def _log_or_neg_inf(s: jax.Array) -> jax.Array:
@@ -181,12 +191,16 @@ def _shifted_sum(a, b, dims, axis_name):
     # The shift is a constant for differentiation (the result does not depend on it).
     m = lax.stop_gradient(jnp.max(a, axis=dims, keepdims=True, initial=-jnp.inf))
     if axis_name is not None:
+        _check_axis_name(axis_name)
         try:
             m = lax.pmax(m, axis_name)
-        except NameError:
+        except (NameError, AssertionError):  # outside shard_map / a name the mesh lacks (jax's own assert)
+            here = jax.sharding.get_abstract_mesh().axis_names
+            where = (f"this shard_map's mesh has axes {here}" if here else
+                     "outside it (as here), leave axis_name=None")
             raise ConfigError(
                 f"`axis_name` (={axis_name!r}) names no mesh axis here: it reduces across devices only "
-                f"inside jax.shard_map over a mesh with that axis; outside it, leave axis_name=None"
+                f"inside jax.shard_map over a mesh with that axis; {where}"
             ) from None
     m = jnp.where(jnp.isfinite(m), m, jnp.zeros((), a.dtype))
     e = jnp.exp(a - m)
@@ -196,6 +210,15 @@ def _shifted_sum(a, b, dims, axis_name):
     if axis_name is not None:
         s = lax.psum(s, axis_name)
     return s, m
+
+
+def _check_axis_name(axis_name) -> None:
+    """Mesh axis names are strings (any hashable but an int): `lax.psum` and `lax.pmax` read an
+    int as a positional array axis, so `axis_name=1` reduced over array axis 1 instead."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or any(isinstance(n, (int, np.integer)) for n in names):
+        raise ConfigError(f"`axis_name` (={axis_name!r}) must be a mesh axis name, e.g. 'model', or a tuple of "
+                          "names (ints would be array axes: pass those as `axis`)")
 
 
 def _broadcast(v: jax.Array, shape: tuple[int, ...], name: str) -> jax.Array:

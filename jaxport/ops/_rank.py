@@ -43,7 +43,8 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False, *, method: str 
 
     Raises:
       ConfigError: `axis` is out of range, `descending` is not a bool known when tracing,
-        `method` is unknown, or `x` is complex or not numbers.
+        `method` is unknown, `x` is complex or not numbers, or `x` is 64-bit (numpy, torch,
+        Python ints) with jax's 64-bit mode off and narrowing it would change a value.
 
     Example:
       >>> import jax.numpy as jnp
@@ -53,7 +54,7 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False, *, method: str 
       >>> rank(jnp.array([3.0, -0.0, jnp.nan, 0.0, 1.0]), descending=True)
       Array([1, 3, 0, 4, 2], dtype=int32)
     """
-    x = to_array(x, "x")
+    x = to_array(x, "x", exact=True)
     axis = normalize_axis(axis, x.ndim)
     descending = check_flag(descending, "descending")
     method = check_method(method)

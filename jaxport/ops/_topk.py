@@ -50,8 +50,9 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: 
 
     Raises:
       ConfigError: `axis` is out of range, `k` is not an integer or does not broadcast,
-        `largest` is not a bool known when tracing, `method` is unknown, or `x` is complex or
-        not numbers.
+        `largest` is not a bool known when tracing, `method` is unknown, `x` is complex or
+        not numbers, or `x` is 64-bit with jax's 64-bit mode off and narrowing it would change a
+        value.
 
     Example:
       >>> import jax.numpy as jnp
@@ -61,7 +62,7 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: 
       Array([[False,  True,  True, False],
              [ True, False, False, False]], dtype=bool)
     """
-    x = to_array(x, "x")
+    x = to_array(x, "x", exact=True)
     axis = normalize_axis(axis, x.ndim)
     largest = check_flag(largest, "largest")
     method = check_method(method)
@@ -107,8 +108,9 @@ def hard_negative_mask(
 
     Raises:
       ConfigError: `loss` is not floating, `positive` is not a bool or integer mask that
-        broadcasts to it, `neg_pos_ratio` is not a non-negative int, `axis` is out of range,
-        or `method` is unknown.
+        broadcasts to it, `neg_pos_ratio` is not a non-negative int known when tracing, `axis`
+        is out of range, `method` is unknown, or `loss` is 64-bit with jax's 64-bit mode off and
+        narrowing it would change a value.
 
     Example:
       >>> import jax.numpy as jnp
@@ -118,7 +120,7 @@ def hard_negative_mask(
       >>> hard_negative_mask(loss, positive, neg_pos_ratio=2)
       Array([[False,  True, False,  True, False]], dtype=bool)
     """
-    loss = to_array(loss, "loss")
+    loss = to_array(loss, "loss", exact=True)
     method = check_method(method)
     if not jnp.issubdtype(loss.dtype, jnp.floating):
         raise ConfigError(f"`loss` has dtype {loss.dtype}; pass floating losses, e.g. loss.astype(jnp.float32)")
@@ -138,6 +140,14 @@ def hard_negative_mask(
             f"`positive` has shape {positive.shape}, which does not broadcast to `loss`'s shape "
             f"{loss.shape}; pass one bool per loss entry"
         ) from None
+    if isinstance(neg_pos_ratio, jax.Array) and neg_pos_ratio.shape == () and jnp.issubdtype(
+            neg_pos_ratio.dtype, jnp.integer):
+        try:
+            neg_pos_ratio = int(neg_pos_ratio)
+        except jax.errors.ConcretizationTypeError:
+            raise ConfigError("`neg_pos_ratio` is traced; it must be an int known when tracing (it sets how "
+                              "many entries each slice keeps): under jit pass it as a static argument "
+                              "(static_argnames=('neg_pos_ratio',))") from None
     try:
         ratio = -1 if isinstance(neg_pos_ratio, (bool, np.bool_)) else operator.index(neg_pos_ratio)
     except TypeError:
@@ -165,12 +175,17 @@ def hard_negative_mask(
 
 
 def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
+    if isinstance(k, (list, tuple)):  # one k per slice, written out
+        try:
+            k = np.asarray(k)
+        except ValueError:
+            pass  # ragged: refused below
     if isinstance(k, (bool, np.bool_)) or not (
         isinstance(k, (int, np.integer)) or jnp.issubdtype(getattr(k, "dtype", object), jnp.integer)
     ):
         raise ConfigError(
             f"`k` (={k!r}) must be an int or an integer array with one k per slice; "
-            f"cast it, e.g. k.astype(jnp.int32)"
+            f"convert it, e.g. jnp.asarray(k, jnp.int32)"
         )
     if isinstance(k, (int, np.integer)):
         k = min(max(int(k), 0), n)
