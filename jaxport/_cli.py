@@ -10,6 +10,7 @@ import contextlib
 import math
 import os
 import shlex
+import signal
 import stat
 import sys
 import time
@@ -151,7 +152,8 @@ def _is_port_of(source: str, ckpt: Path) -> bool:
 def _refuse_overwrite(out: Path, force: bool, unless: str) -> None:
     """A command never silently replaces a file it may not have written: an existing `out` is
     replaced only with --force (`unless` says what else is replaced without it)."""
-    if out.exists() and not force:
+    # lexists: a symbolic link to a missing file is an entry the rename would replace, too.
+    if os.path.lexists(out) and not force:
         raise ConfigError(f"`--out` (={out}) already exists{unless}; nothing was overwritten: choose another "
                           "output path, or pass --force to replace it")
 
@@ -171,7 +173,7 @@ def _default_port_output(ckpt: Path, force: bool) -> Path:
     if _same_file(out, ckpt) or ckpt.suffix == ".safetensors":
         out = Path(stem + ".flax.safetensors")
     # (The checkpoint itself is never the output: `_check_output` refuses that, --force or not.)
-    if out.exists() and not force:
+    if os.path.lexists(out) and not force:
         source = _port_source(out)
         if source is None or not _is_port_of(source, ckpt):
             if source is None:
@@ -252,28 +254,51 @@ def _cmd_verify(args) -> int:
 
     state_dict = _load_checkpoint(args.checkpoint, args)
     variables, arch = None, None if args.arch == "auto" else args.arch
+    differences = []
     if args.variables:
-        variables = load_variables(args.variables)
-        recorded = read_metadata(args.variables).get("arch")
-        held = arch or torch_compat.detect_arch(state_dict)
-        if not recorded:  # a file from elsewhere: its shapes say what it is
-            from torch_compat._convert import _variables_look_like
-            from ._io import flatten
+        from torch_compat._convert import _variables_look_like
+        from torch_compat._crosscheck import port_differences
 
-            recorded = _variables_look_like(flatten(variables))
-        if recorded and recorded != held:
+        from ._io import flatten
+
+        variables = load_variables(args.variables)
+        held = arch or torch_compat.detect_arch(state_dict)
+        # The shapes say what the variables are; the recorded name only where shapes cannot
+        # (a mislabelled file was called what its label said, and --arch could not override it).
+        looks = _variables_look_like(flatten(variables)) or read_metadata(args.variables).get("arch")
+        if looks and looks != held:
             other = f"--arch is {held}" if arch else f"'{args.checkpoint}' is a {held} checkpoint"
-            raise ConfigError(f"'{args.variables}' holds {recorded} variables but {other}: verify compares a "
+            raise ConfigError(f"'{args.variables}' holds {looks} variables but {other}: verify compares a "
                               "checkpoint with its own port; pass the variables `jaxport port` wrote for it")
         arch = held
         state_dict = _as_ported(state_dict, variables, args.variables)
+        differences = port_differences(state_dict, variables, arch)
+    from .models import layer4_side
+
+    if layer4_side(args.image_size) < 2:
+        print(f"note: at --image-size {args.image_size} layer4's maps are 1x1, so the outer taps of its 3x3 "
+              "kernels never reach the output and the cross-check cannot see them; the default (64) can")
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
-        reports = torch_compat.cross_check(state_dict, variables, arch=arch, modes=modes,
-                                           batch_size=args.batch_size, image_size=args.image_size,
-                                           rtol=args.rtol, train_rtol=args.train_rtol)
+        try:
+            reports = torch_compat.cross_check(state_dict, variables, arch=arch, modes=modes,
+                                               batch_size=args.batch_size, image_size=args.image_size,
+                                               rtol=args.rtol, train_rtol=args.train_rtol)
+        except (MemoryError, RuntimeError) as e:  # XLA's RESOURCE_EXHAUSTED, torch's allocator
+            if not (isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "allocate" in str(e)):
+                raise
+            raise ConfigError(f"out of memory running both models at `--batch-size` (={args.batch_size}) and "
+                              f"`--image-size` (={args.image_size}); use smaller values (the defaults, 2 and 64, "
+                              "check every stage)") from None
     ok = _print_reports(reports)
+    if differences:
+        # A port is an exact copy: outputs within tolerance do not make a changed tensor right.
+        shown = differences[:10] + ([f"... and {len(differences) - 10} more"] if len(differences) > 10 else [])
+        print(f"weights: {len(differences)} tensor(s) of '{args.variables}' differ from the checkpoint's own "
+              "port:\n  " + "\n  ".join(shown))
+        print("verify: FAIL: the variables are not the checkpoint's port (re-port it with `jaxport port`)")
+        return EXIT_MISMATCH
     print("verify: PASS" if ok else "verify: FAIL: beyond tolerance")
     return 0 if ok else EXIT_MISMATCH
 
@@ -309,13 +334,18 @@ def _cmd_export(args) -> int:
     if src.is_dir():
         from .train import load_workdir
 
-        variables, arch = load_workdir(src)
-        arch = args.arch or arch
+        variables, recorded = load_workdir(src)
     else:
         variables = load_variables(src)
-        arch = args.arch or read_metadata(src).get("arch")
+        recorded = read_metadata(src).get("arch")
+    arch = args.arch or recorded
     if not arch:
         raise ConfigError(f"'{src}' does not record its architecture; pass --arch (e.g. --arch resnet50)")
+    from .models import ARCHS
+
+    if arch not in ARCHS:  # only a recorded name can be unknown: --arch is one of the choices
+        raise ConfigError(f"'{src}' records the architecture {arch!r}, which jaxport does not know; if its weights "
+                          f"are a torchvision ResNet, pass --arch (one of {', '.join(ARCHS)})")
     state_dict = torch_compat.flax_to_torch(variables, arch)
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     with atomic_path(out, nbytes=nbytes + 200 * len(state_dict) + 65536) as tmp:  # data + a bound on the rest
@@ -479,10 +509,25 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
     print(f"jaxport: warning: {message}", file=sys.stderr)
 
 
+def _drop_closed_loop_callbacks(hook=sys.unraisablehook):
+    """After a checkpoint read fails (a corrupt file), tensorstore's other pending reads finish
+    later and call back into orbax's event loop, already closed: each printed an "Exception
+    ignored ... RuntimeError: Event loop is closed" traceback (up to hundreds of lines after the
+    one-line error). Those callbacks have nothing left to deliver; anything else still shows."""
+
+    def unraisable(u):
+        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
+            return
+        hook(u)
+
+    return unraisable
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     warnings.showwarning = _one_line_warnings
+    sys.unraisablehook = _drop_closed_loop_callbacks()
     stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
     try:
         return _run(args)
@@ -496,9 +541,10 @@ def _run(args: argparse.Namespace) -> int:
     except JaxportError as e:
         print(f"jaxport: error: {e}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("jaxport: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM during a write (`jaxport._io.Terminated`)
+        signum = getattr(e, "signum", signal.SIGINT)
+        print(f"jaxport: interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
+        return 128 + signum
     except OSError as e:  # the machine, not jaxport: a full disk, a read-only or forbidden path
         where = f": '{e.filename}'" if e.filename else ""
         print(f"jaxport: error: {e.strerror or e}{where}", file=sys.stderr)

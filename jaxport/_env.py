@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata as md
+import os
 import platform
 import re
 import sys
@@ -60,7 +61,13 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
         devices = jax.devices()
         rows.append(("jax devices", f"{len(devices)} x {devices[0].device_kind} ({jax.default_backend()})"))
     except Exception as e:  # a broken jaxlib/plugin is a finding, not a crash
-        warnings.append(f"jax failed to initialise its devices: {str(e).splitlines()[0]}")
+        # Some failures carry no message: with JAX_PLATFORMS=cuda and no GPU, jax skips the only
+        # backend asked for and fails its own `assert` (AssertionError('')).
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if not str(e).strip() and os.environ.get("JAX_PLATFORMS"):
+            first += (f" (JAX_PLATFORMS={os.environ['JAX_PLATFORMS']} is set and none of the backends it names "
+                      "could start on this machine; unset it to let jax choose, or set JAX_PLATFORMS=cpu)")
+        warnings.append(f"jax failed to initialise its devices: {first}")
 
     torch_v, tv_v = versions["torch"], versions["torchvision"]
     if torch_v and tv_v:

@@ -12,7 +12,9 @@ import errno
 import json
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -44,7 +46,23 @@ def flatten(tree: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
 
 
 def unflatten(flat: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
-    """Inverse of `flatten`."""
+    """Inverse of `flatten`.
+
+    Raises:
+      ValueError: one key is a prefix path of another (`params/fc` beside `params/fc/bias`): no
+        tree holds both a leaf and a subtree at `params/fc`, whichever order the keys come in.
+    """
+    # Checked on the key set, before building: in the tree, the later key would either fail
+    # inside numpy (a read-only array has no `setdefault`) or silently replace a whole subtree.
+    keys = set(flat)
+    conflicts = []
+    for key in flat:
+        parts = key.split(sep)
+        conflicts += [(sep.join(parts[:i]), key) for i in range(1, len(parts)) if sep.join(parts[:i]) in keys]
+    if conflicts:
+        (leaf, inner), more = conflicts[0], len(conflicts) - 1
+        raise ValueError(f"key '{leaf}' is both a leaf and the prefix of key '{inner}'"
+                         + (f" (and {more} more such pair{'s' * (more > 1)})" if more else ""))
     tree: dict[str, Any] = {}
     for key, v in flat.items():
         *parents, leaf = key.split(sep)
@@ -101,31 +119,79 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
       OSError: (ENOSPC) `nbytes` will not fit on the file system, said before anything is
         written (a full disk otherwise surfaces as the writer's own error, e.g. safetensors');
         or the directory cannot be made or written, with `path` as the filename.
+      Terminated: SIGTERM arrived during the block (from the main thread, when SIGTERM still
+        had its default action), after the temporary file was removed: a KeyboardInterrupt.
     """
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if nbytes is not None:
             require_space(path.parent, nbytes, f"write '{path}'")
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as e:
         if e.filename is None:  # require_space's own message
             raise
-        # Name the file asked for, not the hidden temporary one (or the first missing directory).
+        # Name the file asked for, not the first missing directory.
         raise OSError(e.errno, e.strerror, str(path)) from e
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        # After the write: some writers (safetensors) recreate the file with mode 0600.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+    tmp = None
+    # Entered before the temporary file exists, so no moment leaves it without a cleanup.
+    with _sigterm_raises(path):
         try:
-            os.replace(tmp, path)
-        except OSError as e:  # e.g. `path` is a directory: name it, not the temporary file
-            raise OSError(e.errno, e.strerror, str(path)) from e
+            try:
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            except OSError as e:  # name the file asked for, not the hidden temporary one
+                raise OSError(e.errno, e.strerror, str(path)) from e
+            os.close(fd)
+            yield Path(tmp)
+            # After the write: some writers (safetensors) recreate the file with mode 0600.
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)
+            try:
+                os.replace(tmp, path)
+            except OSError as e:  # e.g. `path` is a directory: name it, not the temporary file
+                raise OSError(e.errno, e.strerror, str(path)) from e
+        finally:
+            if tmp is not None:
+                Path(tmp).unlink(missing_ok=True)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived while `atomic_path` was writing; its temporary file has been removed.
+
+    A KeyboardInterrupt, like `jaxport.train`'s `Interrupted`: code that already stops cleanly
+    on Ctrl-C (the CLI prints one line) stops the same way on `kill` or a scheduler's SIGTERM.
+    `signum` is SIGTERM, so a caller can exit with 128 + signum (143), as a killed process would.
+    """
+
+    signum = signal.SIGTERM
+
+
+@contextlib.contextmanager
+def _sigterm_raises(path: Path) -> Iterator[None]:
+    """Within the block, SIGTERM raises `Terminated`, so `finally` clauses run before the process
+    stops: SIGTERM's default action ends it at once, which left the full-size hidden temporary
+    file behind.
+
+    Only that default is replaced: a handler someone installed deliberately (`jaxport train`
+    checkpoints on SIGTERM) or SIG_IGN is kept, and an enclosing block has already installed
+    one. Handlers can only be set from the main thread; elsewhere SIGTERM keeps its default
+    effect. Python runs the handler between bytecodes, so a write inside one long C call
+    (safetensors, torch.save) finishes before it stops.
+    """
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"SIGTERM while writing '{path}'")
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        if signal.getsignal(signal.SIGTERM) is handler:  # unless the block deliberately set its own
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arch: str | None = None,
@@ -167,8 +233,9 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
     `np.array(x)` before writing to one.
 
     Raises:
-      CheckpointError: missing, empty, truncated or malformed file, naming it; or a torch
-        checkpoint in safetensors form (torch keys, no `/` paths), pointing to `jaxport port`.
+      CheckpointError: missing, empty, truncated or malformed file, naming it; a tensor path
+        that is also a group of others (`params/fc` beside `params/fc/bias`), naming both; or a
+        torch checkpoint in safetensors form (torch keys, no `/` paths), pointing to `jaxport port`.
 
     Example:
       >>> variables = load_variables("resnet50.safetensors")  # doctest: +SKIP
@@ -193,7 +260,13 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
             raise CheckpointError(f"variables file '{path}': tensor '{key}' has dtype {info['dtype']}, which jaxport cannot read")
         lo, hi = info["data_offsets"]
         flat[key] = mm[start + lo:start + hi].view(dtype).reshape(info["shape"])
-    return unflatten(flat)
+    try:
+        return unflatten(flat)
+    except ValueError as e:
+        raise CheckpointError(
+            f"variables file '{path}' is not a valid variables file: {e}, so no Flax tree can hold both "
+            "tensors; it was not written by `jaxport.save_variables`: re-create it with `jaxport port`, or "
+            "remove or rename one of the two") from e
 
 
 def holds_variables(path: str | os.PathLike) -> bool:

@@ -86,12 +86,39 @@ def test_verify_fails_with_exit_1_on_a_broken_port(tmp_path, resnet18_checkpoint
     assert "verify: FAIL" in out and "NO" in out
 
 
+def test_verify_compares_the_port_tensor_by_tensor(tmp_path, resnet18_checkpoint, capsys):
+    """1e-5 on every logit bias stays within the cross-check's tolerance, and verify said PASS;
+    the port must be the checkpoint's exact copy, so any changed tensor now fails it."""
+    variables = torch_compat.torch_to_flax(reference("resnet18").state_dict())
+    variables["params"]["fc"]["bias"] = variables["params"]["fc"]["bias"] + np.float32(1e-5)
+    near = jaxport.save_variables(tmp_path / "near.safetensors", variables, arch="resnet18")
+    assert main(["verify", str(resnet18_checkpoint), str(near), "--mode", "eval"]) == 1
+    out = capsys.readouterr().out
+    assert " NO" not in out  # the cross-check alone passes it
+    assert ("weights: 1 tensor(s) of '" in out and "params/fc/bias: 10 of 10 values differ (max |difference| 1e-05"
+            in out and "verify: FAIL: the variables are not the checkpoint's port" in out), out
+
+    # Labelled resnet34 by mistake: the shapes (resnet18) decide, not the label.
+    good = jaxport.save_variables(tmp_path / "good.safetensors",
+                                  torch_compat.torch_to_flax(reference("resnet18").state_dict()), arch="resnet34")
+    assert main(["verify", str(resnet18_checkpoint), str(good), "--mode", "eval", "--image-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "verify: PASS" in out
+    assert "note: at --image-size 16 layer4's maps are 1x1, so the outer taps of its 3x3 kernels" in out
+
+
 def test_export_needs_an_arch_when_the_file_has_none(tmp_path, capsys):
     path = jaxport.save_variables(tmp_path / "v.safetensors",
                                   torch_compat.torch_to_flax(reference("resnet18").state_dict()))
     assert main(["export", str(path), "--out", str(tmp_path / "x.pt")]) == 2
     _assert_one_line_error(capsys.readouterr().err, "does not record its architecture", "--arch")
     assert main(["export", str(path), "--arch", "resnet18", "--out", str(tmp_path / "x.pt")]) == 0
+    # A recorded name jaxport does not know named no file and did not suggest --arch.
+    other = jaxport.save_variables(tmp_path / "o.safetensors", jaxport.load_variables(path), arch="vgg16")
+    assert main(["export", str(other), "--out", str(tmp_path / "y.pt")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "'", "o.safetensors' records the architecture 'vgg16', which "
+                           "jaxport does not know", "pass --arch")
+    assert main(["export", str(other), "--arch", "resnet18", "--out", str(tmp_path / "y.pt")]) == 0
 
 
 def test_errors_are_one_line_without_traceback(tmp_path, resnet18_checkpoint, capsys):

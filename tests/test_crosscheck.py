@@ -108,9 +108,51 @@ def test_train_mode_is_exact_in_float64(arch):
     (dict(modes=("eval",), image_size=0), "`image_size` (=0) must be an int >= 1"),
     (dict(modes=("eval",), rtol=-1), "`rtol` (=-1) must be a finite number > 0"),
     (dict(modes=("eval",), rtol=float("nan")), "`rtol` (=nan) must be a finite number > 0"),
+    (dict(modes=("eval",), seed=1.5), "`seed` (=1.5) must be an int in [0, 2**63)"),
+    (dict(modes=("eval",), seed=2**70), f"`seed` (={2**70}) must be an int in [0, 2**63)"),
+    (dict(modes=("eval",), variables=[1, 2]), "`variables` must be a mapping {'params': ..., 'batch_stats': ...}"),
 ])
 def test_arguments_that_would_compare_nothing_are_refused(kw, message):
     """batch_size=0 passed having compared nothing; image_size=0 and batch_size=-1 were torch errors."""
     with pytest.raises(ConfigError) as e:
         torch_compat.cross_check(torchvision.models.resnet18().state_dict(), **kw)
     assert message in str(e.value)
+
+
+def test_modes_as_a_generator_and_variables_without_counters():
+    """A generator of modes was used up by the argument check: cross_check compared nothing and
+    returned [] (read as "ok"). Variables without BatchNorm's num_batches_tracked (which the
+    converter and `jaxport export` accept, defaulting it to 0) were flax's ScopeVariableNotFoundError."""
+    sd = reference("resnet18").state_dict()
+    variables = torch_compat.torch_to_flax(sd)
+    for bn in _batchnorms(variables["batch_stats"]):
+        del bn["num_batches_tracked"]
+    sd = {k: (v.zero_() if k.endswith("num_batches_tracked") else v) for k, v in sd.items()}
+    reports = torch_compat.cross_check(sd, variables, modes=(m for m in ("eval", "train")), image_size=48)
+    assert [r.mode for r in reports] == ["eval", "train"] and all(r.ok for r in reports), reports
+
+
+def _batchnorms(tree):
+    if "num_batches_tracked" in tree:
+        yield tree
+    for v in tree.values():
+        if isinstance(v, dict):
+            yield from _batchnorms(v)
+
+
+def test_port_differences_names_every_changed_tensor():
+    """A port is an exact copy; outputs within tolerance do not prove that (a 10% change to one
+    layer3 kernel entry, 1e-5 on every logit bias both passed the cross-check)."""
+    from torch_compat._crosscheck import port_differences
+
+    sd = reference("resnet18").state_dict()
+    variables = torch_compat.torch_to_flax(sd)
+    assert port_differences(sd, variables, "resnet18") == []
+    variables["params"]["fc"]["bias"] = variables["params"]["fc"]["bias"] + np.float32(1e-5)
+    kernel = variables["params"]["layer3"]["0"]["conv1"]["kernel"].copy()
+    kernel[1, 1, 5, 7] *= 1.1
+    variables["params"]["layer3"]["0"]["conv1"]["kernel"] = kernel
+    lines = port_differences(sd, variables, "resnet18")
+    assert [line.split(":")[0] for line in lines] == ["params/layer3/0/conv1/kernel", "params/fc/bias"], lines
+    assert lines[0].startswith("params/layer3/0/conv1/kernel: 1 of 294912 values differ"), lines
+    assert all(r.ok for r in torch_compat.cross_check(sd, variables, modes=("eval",)))  # blind to both

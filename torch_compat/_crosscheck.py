@@ -175,12 +175,18 @@ def cross_check(
     """
     if isinstance(modes, str):
         raise ConfigError(f"`modes` (={modes!r}) must be a sequence of modes, e.g. ({modes!r},)")
+    modes = tuple(modes)  # a generator was used up by the check below, and nothing was compared
     bad = [m for m in modes if m not in ("eval", "train")]
     if bad or not modes:
         raise ConfigError(f"`modes` (={list(modes)}) must be a non-empty subset of ('eval', 'train')")
     for name, value in (("batch_size", batch_size), ("image_size", image_size)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ConfigError(f"`{name}` (={value!r}) must be an int >= 1 (CLI --{name.replace('_', '-')})")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+        raise ConfigError(f"`seed` (={seed!r}) must be an int in [0, 2**63) (it seeds torch's generator of the inputs)")
+    if variables is not None and not isinstance(variables, Mapping):
+        raise ConfigError(f"`variables` must be a mapping {{'params': ..., 'batch_stats': ...}} (Flax variables, "
+                          f"e.g. from torch_to_flax or jaxport's load_variables), got {type(variables).__name__}")
     for name, value in (("rtol", rtol), ("train_rtol", train_rtol)):
         if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value > 0):
             raise ConfigError(f"`{name}` (={value!r}) must be a finite number > 0")
@@ -204,6 +210,9 @@ def cross_check(
             raise ConversionError(f"the state_dict has {head[0]} but the Flax variables have {head[1]}: a "
                                   "cross-check compares weights with their own port; port them with the same "
                                   "head (CLI: the same --backbone-only on both commands)")
+        # Variables may omit BatchNorm's num_batches_tracked (as checkpoints of torch < 0.4.1
+        # do; the converter defaults it to 0), which the Flax model's apply needed.
+        variables = torch_to_flax(flax_to_torch(variables, arch), arch)
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in state_dict.items()}
     variables = jax.tree.map(lambda a: np.asarray(a, np.float32) if np.issubdtype(np.asarray(a).dtype, np.floating)
                              or np.asarray(a).dtype.name == "bfloat16" else np.asarray(a), dict(variables))
@@ -252,3 +261,33 @@ def _running_stats_rows(torch_model: torch.nn.Module, model64: torch.nn.Module, 
         errors = [_err(stat, ours[k].numpy(), t.numpy(), rtol, ref64[k].numpy()) for k, t in ref.items() if k.endswith(stat)]
         rows.append(max(errors, key=lambda e: (not np.isfinite(e.max_rel), e.max_rel)))
     return rows
+
+
+def port_differences(state_dict: Mapping[str, torch.Tensor], variables: Mapping[str, Any],
+                     arch: str) -> list[str]:
+    """Where `variables` are not bit for bit `torch_to_flax(state_dict, arch)`: one line per
+    differing tensor (the port is an exact copy, so any difference, however small, is one).
+
+    A cross-check of outputs within tolerance cannot see every change: a 10% change to one
+    layer3 kernel, or 1e-5 on every logit bias, passed it. Counters absent from `variables`
+    (num_batches_tracked, optional) are not compared.
+    """
+    from jaxport._io import flatten
+
+    want, got = flatten(torch_to_flax(state_dict, arch)), flatten(variables)
+    lines = []
+    for key, w in want.items():
+        if key not in got:
+            continue
+        g, w = np.asarray(got[key]), np.asarray(w)
+        if g.dtype != w.dtype or g.shape != w.shape:
+            lines.append(f"{key}: {g.dtype}{list(g.shape)} here, {w.dtype}{list(w.shape)} in the checkpoint's port")
+            continue
+        # Bits, not values: -0.0 for 0.0 or another NaN is a difference too.
+        bits = lambda a: np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, -1)  # noqa: E731
+        count = int(np.count_nonzero((bits(g) != bits(w)).any(axis=-1))) if g.size else 0
+        if count:
+            diff = np.abs(g.astype(np.float64) - w.astype(np.float64))
+            lines.append(f"{key}: {count} of {g.size} values differ (max |difference| {np.nanmax(diff):.3g}, "
+                         f"values up to {np.nanmax(np.abs(w.astype(np.float64))):.3g})")
+    return lines

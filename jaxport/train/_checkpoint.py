@@ -22,6 +22,8 @@ from .._errors import CheckpointError
 from .._io import require_space
 
 
+FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
+
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
@@ -127,35 +129,52 @@ def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None
         raise _unreadable(_where(mngr), step, e, steps) from None
 
 
-def load_workdir(workdir: str) -> tuple[dict, str]:
+def load_workdir(workdir: str) -> tuple[dict, str | None]:
     """`(variables, arch)` of the latest checkpoint in a `jaxport train` workdir, as numpy.
 
     `variables` is `{"params", "batch_stats"}`, ready for `torch_compat.flax_to_torch(variables,
-    arch)` (what `jaxport export WORKDIR --out model.pt` does).
+    arch)` (what `jaxport export WORKDIR --out model.pt` does); `arch` is None where the
+    checkpoint does not record it.
 
     Raises:
-      CheckpointError: no checkpoint in `workdir`, or it cannot be read.
+      CheckpointError: no checkpoint in `workdir`, or it cannot be read (naming what can be
+        read instead: an older checkpoint, or the run's final variables file).
     """
     path = checkpoint_dir(workdir)
+    final = os.path.join(workdir, FINAL_VARIABLES)
+    instead = f"; its final weights are in {final} (jaxport export can read it)" if os.path.isfile(final) else ""
     if not os.path.isdir(path):
-        raise CheckpointError(f"`workdir` (={workdir}) has no checkpoints/ directory; train into it with "
-                              "`jaxport train --workdir` first")
+        raise CheckpointError(f"`workdir` (={workdir}) has no checkpoints/ directory"
+                              + (instead or "; train into it with `jaxport train --workdir` first"))
     mngr = manager(workdir, max_to_keep=None)
-    steps = sorted(mngr.all_steps())
-    if not steps:
-        raise CheckpointError(f"`workdir` (={workdir}) holds no finished checkpoint")
     try:
-        meta_tree = mngr.item_metadata(steps[-1])["state"]
-        shapes = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
-        cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-        abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), shapes,
-                                is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
-        out = mngr.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                              meta=ocp.args.JsonRestore()))
-        state, meta = out["state"], dict(out["meta"])
-    except CheckpointError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise _unreadable(path, steps[-1], e, steps) from None
-    variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
-    return jax.tree.map(np.asarray, variables), meta["arch"]
+        steps = sorted(mngr.all_steps())
+        if not steps:
+            raise CheckpointError(f"`workdir` (={workdir}) holds no finished checkpoint in {path} (a run stopped "
+                                  "before its first checkpoint, or they were deleted)"
+                                  + (instead or "; train into it with `jaxport train --workdir` first"))
+        try:
+            meta_tree = mngr.item_metadata(steps[-1])["state"]
+            shapes = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
+            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+            abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), shapes,
+                                    is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+            out = mngr.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                  meta=ocp.args.JsonRestore()))
+            state, meta = out["state"], dict(out["meta"] or {})
+            variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            older = [s for s in steps if s < steps[-1]]
+            bad = os.path.join(path, str(steps[-1]))
+            fix = (f"move {bad} aside to read step {older[-1]}" if older else "it is the only checkpoint") + instead
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint step {steps[-1]} in {path} cannot be read ({type(e).__name__}: "
+                                  f"{first[:200]}); {fix}") from None
+    finally:
+        # Left open after a failed read, orbax's pending reads outlived the event loop and
+        # printed asyncio tracebacks ("Event loop is closed") as the interpreter shut down.
+        mngr.close()
+    arch = meta.get("arch")
+    return jax.tree.map(np.asarray, variables), arch if isinstance(arch, str) and arch else None

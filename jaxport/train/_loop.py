@@ -26,7 +26,7 @@ from ._init import fit_head, load_init
 from ._optim import cosine_annealing_lr, per_epoch, sgd
 from ._step import check_batch_size, create_state, make_eval_step, make_mesh, make_train_step, shard_batch
 
-FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
+FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
 OUTPUTS = (FINAL_VARIABLES, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
 METRIC_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc")  # what resuming and the plot read
 
