@@ -197,8 +197,32 @@ def test_adamw_maximize_matches_torch():
     (lambda: optim.step_lr(float("nan"), 3), "`base_lr` (=nan) must be a finite number >= 0"),
     (lambda: optim.cosine_annealing_lr(-0.1, 3), "`base_lr` (=-0.1) must be a finite number >= 0"),
     (lambda: optim.linear_warmup(0.1, -1), "`total_iters` (=-1) must be a whole number >= 0"),
+    # These were accepted and failed at the first update (or never: a NaN gamma did not decay),
+    # with errors naming no argument.
+    (lambda: optim.per_epoch(optim.step_lr(0.1, 2), 2.5), "`steps_per_epoch` (=2.5) must be a whole number >= 1"),
+    (lambda: optim.per_epoch(optim.step_lr(0.1, 2), None), "`steps_per_epoch` (=None) must be a whole number >= 1"),
+    (lambda: optim.per_epoch(0.1, 3), "`schedule` (=0.1) must be a schedule (epoch -> lr)"),
+    (lambda: optim.sgd(0.1, momentum=0.9, dampening=None), "`dampening` (=None) must be a finite number"),
+    (lambda: optim.step_lr(0.1, 2, gamma=float("nan")), "`gamma` (=nan) must be a finite number"),
+    (lambda: optim.multistep_lr(0.1, [2], gamma=None), "`gamma` (=None) must be a finite number"),
+    (lambda: optim.cosine_annealing_lr(0.1, 5, eta_min=None), "`eta_min` (=None) must be a finite number"),
+    (lambda: optim.linear_warmup(0.1, 5, start_factor=None), "`start_factor` (=None) must be a finite number"),
 ])
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ConfigError) as e:
         call()
     assert message in str(e.value)
+
+
+def test_per_epoch_takes_a_whole_float_and_numpy_base_lrs_as_torch():
+    """per_epoch(s, 3.0) failed at the first update ("Indexer must have integer type"); a numpy
+    float32 base lr was refused by the schedules though sgd takes it."""
+    ours = optim.per_epoch(optim.cosine_annealing_lr(np.float32(0.1), 5), 3.0)
+    model = torch.nn.Linear(1, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=float(np.float32(0.1)))
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, 5)
+    for epoch in range(8):
+        for step in range(3):
+            assert float(ours(epoch * 3 + step)) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-6, abs=1e-9)
+        opt.step()
+        sched.step()

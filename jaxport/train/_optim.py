@@ -66,6 +66,15 @@ def _check_non_negative(**values) -> None:
             raise ConfigError(f"`{name}` (={value!r}) must be a finite number >= 0{schedule}")
 
 
+def _finite(name: str, value) -> float:
+    """A finite real number: None, a string or NaN failed later inside optax or jax with an
+    error naming none of the arguments (and a NaN gamma silently never decayed)."""
+    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
+    if not (number and math.isfinite(value)):
+        raise ConfigError(f"`{name}` (={value!r}) must be a finite number")
+    return float(value)
+
+
 def sgd(
     learning_rate: ScalarOrSchedule,
     momentum: float = 0.0,
@@ -100,6 +109,7 @@ def sgd(
       >>> tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     """
     _check_non_negative(learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay)
+    _finite("dampening", dampening)  # torch takes any number here, negative ones included
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ConfigError(
             f"nesterov momentum needs `momentum` > 0 and `dampening` == 0 (got momentum={momentum}, "
@@ -188,9 +198,11 @@ def _lookup(values: Sequence[float], index: Callable[[jax.Array], jax.Array],
     return schedule
 
 
-def _check_base_lr(base_lr: float) -> None:
-    if not isinstance(base_lr, (int, float)) or isinstance(base_lr, bool) or not (math.isfinite(base_lr) and base_lr >= 0):
+def _check_base_lr(base_lr: float) -> float:
+    number = isinstance(base_lr, (int, float, np.integer, np.floating)) and not isinstance(base_lr, bool)
+    if not (number and math.isfinite(base_lr) and base_lr >= 0):
         raise ConfigError(f"`base_lr` (={base_lr!r}) must be a finite number >= 0, as torch.optim's learning rate")
+    return float(base_lr)  # a numpy float32 would round every value of the table to float32
 
 
 def _whole(name: str, value, minimum: int | None = None) -> int:
@@ -209,8 +221,9 @@ def step_lr(base_lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
     lr stops changing (it reaches 0, or gamma is 1) or for 100,000 decays, past which it goes on
     as `lr * gamma ** k`, equal within rounding.
     """
-    _check_base_lr(base_lr)
+    base_lr = _check_base_lr(base_lr)
     step_size = _whole("step_size", step_size, 1)
+    gamma = _finite("gamma", gamma)
     lrs = [base_lr]
     while len(lrs) <= _MAX_DECAYS:
         lr = lrs[-1] * gamma
@@ -230,7 +243,8 @@ def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) 
     Exact at every step (one table entry per distinct milestone). Milestones must be whole
     numbers: torch never reaches a fractional one, which is almost always a mistake.
     """
-    _check_base_lr(base_lr)
+    base_lr = _check_base_lr(base_lr)
+    gamma = _finite("gamma", gamma)
     if isinstance(milestones, (str, bytes)) or not hasattr(milestones, "__iter__"):
         raise ConfigError(f"`milestones` (={milestones!r}) must be a list of steps, e.g. [30, 60, 90]")
     counts: dict[int, int] = {}
@@ -259,8 +273,9 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     max(T_max, 10,000) + 1 steps, exactly; past them (only reached beyond T_max, where torch's
     lr rises again) it evaluates that closed form, which torch's recursion follows within rounding.
     """
-    _check_base_lr(base_lr)
+    base_lr = _check_base_lr(base_lr)
     t_max = _whole("t_max", t_max, 1)
+    eta_min = _finite("eta_min", eta_min)
     lrs, lr = [], base_lr
     for t in range(max(t_max, _COSINE_EXACT) + 1):
         if t == 0:
@@ -287,7 +302,8 @@ def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.
     `start_factor * base_lr`, as torch). Combine with a decay the way torch's `SequentialLR`
     does, with `optax.join_schedules([linear_warmup(...), cosine_annealing_lr(...)], [total_iters])`.
     """
-    _check_base_lr(base_lr)
+    base_lr = _check_base_lr(base_lr)
+    start_factor, end_factor = _finite("start_factor", start_factor), _finite("end_factor", end_factor)
     if not (0 < start_factor <= 1 and 0 <= end_factor <= 1):
         raise ConfigError(f"`start_factor` (={start_factor}) must be in (0, 1] and `end_factor` (={end_factor}) in [0, 1]")
     total_iters = _whole("total_iters", total_iters, 0)
@@ -305,6 +321,9 @@ def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.
 def per_epoch(schedule: Schedule, steps_per_epoch: int) -> Schedule:
     """Drive a per-epoch schedule from the optimizer's step count (torch users' `sched.step()`
     after each epoch): `lr(step) = schedule(step // steps_per_epoch)`."""
-    if steps_per_epoch < 1:
-        raise ConfigError(f"`steps_per_epoch` (={steps_per_epoch}) must be >= 1")
+    if not callable(schedule):
+        raise ConfigError(f"`schedule` (={schedule!r}) must be a schedule (epoch -> lr), e.g. step_lr(0.1, 30); "
+                          "a constant learning rate needs no per_epoch")
+    # A float (even 3.0) failed at the first update with "Indexer must have integer type".
+    steps_per_epoch = _whole("steps_per_epoch", steps_per_epoch, 1)
     return lambda count: schedule(jnp.asarray(count) // steps_per_epoch)
