@@ -364,14 +364,30 @@ def watch_for_failures() -> None:
     atexit.register(_exit_if_published)  # after jax's shutdown hook, so it runs first
 
 
+# What jax's collectives and coordination client say when the other end has gone: a Gloo
+# connection reset at once, or a timeout (Gloo's key-value exchange, 30 s).
+_PEER_LOST = ("Gloo", "Connection reset", "DEADLINE_EXCEEDED", "UNAVAILABLE", "CoordinationService")
+
+
+def _peer_lost(error: BaseException) -> bool:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if any(marker in str(error) for marker in _PEER_LOST):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def await_lost_process(error: BaseException) -> None:
-    """Called with an error this process is about to stop with: when it is jax's, raised by a
-    collective that lost its peer (a Gloo or coordination-service timeout: the other process
-    was killed), give the watcher time to name the process that died; it then exits this
-    process itself with that message, instead of the timeout's."""
-    if not _watch["started"] or _watch["published"] or isinstance(error, (JaxportError, KeyboardInterrupt)):
+    """Called with an error this process is about to stop with: when a collective failed because
+    its peer went away (a Gloo connection reset or timeout: the other process was killed), give
+    the watcher time to name the process that died; it then exits this process itself with
+    that message, instead of this error's (e.g. "could not write checkpoint step 3 ... Gloo
+    AllGather failed: Connection reset by peer", when the kill came during a checkpoint)."""
+    if not _watch["started"] or _watch["published"] or isinstance(error, KeyboardInterrupt):
         return
-    if type(error).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+    if not _peer_lost(error):
         return
     deadline = time.monotonic() + _STALE_S + 4 * _POLL_S
     while time.monotonic() < deadline:

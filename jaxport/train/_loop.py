@@ -395,7 +395,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     except Interrupted:  # every process stops at the same step (jax's preemption sync point)
         raise
     except BaseException as e:
-        _distributed.await_lost_process(e)  # a collective timed out: name the process that died
+        _distributed.await_lost_process(e)  # a collective lost its peer: name the process that died
         _distributed.publish_failure(e)  # the others would wait for this one in a collective
         raise
 
