@@ -103,6 +103,15 @@ def test_torchvision_option_errors():
     variables = models.resnet18().init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     with pytest.raises(ConfigError, match=r"got shape \(2, 3, 32, 32\), which looks like torch's NCHW: transpose"):
         models.resnet18().apply(variables, jnp.zeros((2, 3, 32, 32)))
+    # `layers` shorter than 4 built a smaller network (zip stopped early; torchvision raises);
+    # groups=0 was a ZeroDivisionError.
+    x = jnp.zeros((1, 32, 32, 3))
+    with pytest.raises(ConfigError, match=r"`layers` \(=\(1, 1\)\) must give the blocks of each of the 4 stages"):
+        models.ResNet(block="basic", layers=(1, 1)).init(jax.random.key(0), x)
+    with pytest.raises(ConfigError, match=r"`groups` \(=0\) must be a positive int"):
+        models.ResNet(block="bottleneck", layers=(1, 1, 1, 1), groups=0).init(jax.random.key(0), x)
+    with pytest.raises(ConfigError, match=r"`image_size` \(=0\) must be an int >= 1"):
+        models.layer4_side(0)
     # other channel counts stay possible (e.g. a 1-channel stem), as before
     assert models.resnet18().init(jax.random.key(0), jnp.zeros((1, 32, 32, 1)))["params"]["conv1"]["kernel"].shape == (
         7, 7, 1, 64)

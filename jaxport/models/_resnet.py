@@ -267,6 +267,17 @@ class ResNet(nn.Module):
                 or self.num_classes < 0:
             raise ConfigError(f"`num_classes` (={self.num_classes!r}) must be an int >= 0 "
                               "(0: no classifier, the model returns the pooled features)")
+        layers = tuple(self.layers) if isinstance(self.layers, (tuple, list)) else None
+        if layers is None or len(layers) < 4:
+            # zip() stopped at the shortest: (1, 1) built two stages and an fc over 128 features,
+            # where torchvision raises IndexError.
+            raise ConfigError(f"`layers` (={self.layers!r}) must give the blocks of each of the 4 stages, "
+                              "e.g. (2, 2, 2, 2) for resnet18")
+        for name in ("groups", "width_per_group"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(f"`{name}` (={value!r}) must be a positive int (e.g. groups=32, width_per_group=4 "
+                                  "for resnext50_32x4d)")
         block_cls = {"basic": BasicBlock, "bottleneck": Bottleneck}.get(self.block)
         if block_cls is None:
             raise ConfigError(f"`block` (={self.block!r}) must be 'basic' or 'bottleneck'")
@@ -346,6 +357,8 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
 def layer4_side(image_size: int) -> int:
     """Side of layer4's feature map for `image_size` px inputs (no dilation): the stem conv, the
     max-pool and layer2..4 each halve it, rounding up (32 px -> 1x1, 33 px -> 2x2)."""
+    if isinstance(image_size, (bool, np.bool_)) or not isinstance(image_size, (int, np.integer)) or image_size < 1:
+        raise ConfigError(f"`image_size` (={image_size!r}) must be an int >= 1 (pixels per side)")
     side = (image_size + 2 * 3 - 7) // 2 + 1
     for _ in range(4):
         side = (side + 2 - 3) // 2 + 1
