@@ -3,6 +3,8 @@
 The full-model parity tests (test_train_parity.py) prove the step end to end; these pin each
 piece, including the cases a whole ResNet rarely hits (ties in a max-pool window, odd sizes).
 """
+import copy
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -247,7 +249,8 @@ def test_resnet18_stem_gradients_at_224px_under_jit_equal_torch_float64(x64):
     from jaxport import models
     from tests.helpers import reference
 
-    ref = reference("resnet18").double().train()
+    # A copy: reference() is shared by every test in the process, and .double() converts in place.
+    ref = copy.deepcopy(reference("resnet18")).double().train()
     variables = jax.tree.map(lambda a: np.asarray(a, np.float64) if np.asarray(a).dtype == np.float32 else a,
                              torch_compat.torch_to_flax(ref.state_dict()))
     torch.manual_seed(2)
