@@ -72,11 +72,18 @@ def _not_written(mngr: ocp.CheckpointManager, step: int, why: str) -> Checkpoint
     return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; {kept}")
 
 
-def _unreadable(path: str, step: int, err: Exception, steps: list[int]) -> CheckpointError:
+def _unreadable(path: str, step: int, err: Exception, steps: list[int], *,
+                reading: str | None = None) -> CheckpointError:
+    """The error for checkpoint `step` that cannot be read. The fix resumes from an older step
+    (training); with `reading` (for `load_workdir`'s readers such as `jaxport export`: what else
+    holds the weights, or "") it says what can be read instead of retraining."""
     older = [s for s in steps if s < step]
     bad = os.path.join(path, str(step))
-    fix = (f"delete {bad} to resume from step {older[-1]}" if older
-           else f"it is the only checkpoint: delete {bad} and train again without --resume")
+    if reading is not None:
+        fix = (f"move {bad} aside to read step {older[-1]}" if older else "it is the only checkpoint") + reading
+    else:
+        fix = (f"delete {bad} to resume from step {older[-1]}" if older
+               else f"it is the only checkpoint: delete {bad} and train again without --resume")
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: {first[:200]}); {fix}")
 
@@ -166,15 +173,8 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
         except CheckpointError:
             raise
         except Exception as e:  # noqa: BLE001
-            older = [s for s in steps if s < steps[-1]]
-            bad = os.path.join(path, str(steps[-1]))
-            fix = (f"move {bad} aside to read step {older[-1]}" if older else "it is the only checkpoint") + instead
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise CheckpointError(f"checkpoint step {steps[-1]} in {path} cannot be read ({type(e).__name__}: "
-                                  f"{first[:200]}); {fix}") from None
+            raise _unreadable(path, steps[-1], e, steps, reading=instead) from None
     finally:
-        # Left open after a failed read, orbax's pending reads outlived the event loop and
-        # printed asyncio tracebacks ("Event loop is closed") as the interpreter shut down.
-        mngr.close()
+        mngr.close()  # its threads would outlive an error (the CLI drops their asyncio leftovers)
     arch = meta.get("arch")
     return jax.tree.map(np.asarray, variables), arch if isinstance(arch, str) and arch else None
