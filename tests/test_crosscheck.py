@@ -109,6 +109,8 @@ def test_train_mode_is_exact_in_float64(arch):
     (dict(modes=("eval",), image_size=0), "`image_size` (=0) must be an int >= 1"),
     (dict(modes=("eval",), rtol=-1), "`rtol` (=-1) must be a finite number > 0"),
     (dict(modes=("eval",), rtol=float("nan")), "`rtol` (=nan) must be a finite number > 0"),
+    # bool is an int in Python: rtol=True compared with a tolerance of 1 and reported "ok"
+    (dict(modes=("eval",), train_rtol=True), "`train_rtol` (=True) must be a finite number > 0"),
     (dict(modes=("eval",), seed=1.5), "`seed` (=1.5) must be an int in [0, 2**63)"),
     (dict(modes=("eval",), seed=2**70), f"`seed` (={2**70}) must be an int in [0, 2**63)"),
     (dict(modes=("eval",), variables=[1, 2]), "`variables` must be a mapping {'params': ..., 'batch_stats': ...}"),

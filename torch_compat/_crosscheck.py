@@ -12,6 +12,7 @@ import torch
 import torchvision
 
 from jaxport import models
+from jaxport._args import is_int, is_real
 from jaxport._errors import ConfigError, ConversionError
 
 from ._convert import Entry, check_state_dict, check_variables, detect_arch, flax_to_torch, torch_to_flax
@@ -180,15 +181,15 @@ def cross_check(
     if bad or not modes:
         raise ConfigError(f"`modes` (={list(modes)}) must be a non-empty subset of ('eval', 'train')")
     for name, value in (("batch_size", batch_size), ("image_size", image_size)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        if not is_int(value) or value < 1:
             raise ConfigError(f"`{name}` (={value!r}) must be an int >= 1 (CLI --{name.replace('_', '-')})")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**63:
+    if not is_int(seed) or not 0 <= seed < 2**63:
         raise ConfigError(f"`seed` (={seed!r}) must be an int in [0, 2**63) (it seeds torch's generator of the inputs)")
     if variables is not None and not isinstance(variables, Mapping):
         raise ConfigError(f"`variables` must be a mapping {{'params': ..., 'batch_stats': ...}} (Flax variables, "
                           f"e.g. from torch_to_flax or jaxport's load_variables), got {type(variables).__name__}")
     for name, value in (("rtol", rtol), ("train_rtol", train_rtol)):
-        if not (isinstance(value, (int, float, np.floating)) and math.isfinite(value) and value > 0):
+        if not (is_real(value) and math.isfinite(value) and value > 0):
             raise ConfigError(f"`{name}` (={value!r}) must be a finite number > 0")
     side = models.layer4_side(image_size)
     if "train" in modes and batch_size * side * side < 2:

@@ -15,8 +15,8 @@ from typing import Any, Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from .._args import is_int
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
 from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, on_xla_cpu, strided_conv, use_custom_vjps
@@ -263,8 +263,7 @@ class ResNet(nn.Module):
         if x.shape[1] == 0 or x.shape[2] == 0:
             raise ConfigError(f"ResNet input has no pixels: shape {tuple(x.shape)} (NHWC); pass images of at least "
                               "1x1 (torch refuses this too)")
-        if isinstance(self.num_classes, (bool, np.bool_)) or not isinstance(self.num_classes, (int, np.integer)) \
-                or self.num_classes < 0:
+        if not is_int(self.num_classes) or self.num_classes < 0:
             raise ConfigError(f"`num_classes` (={self.num_classes!r}) must be an int >= 0 "
                               "(0: no classifier, the model returns the pooled features)")
         layers = tuple(self.layers) if isinstance(self.layers, (tuple, list)) else None
@@ -275,7 +274,7 @@ class ResNet(nn.Module):
                               "e.g. (2, 2, 2, 2) for resnet18")
         for name in ("groups", "width_per_group"):
             value = getattr(self, name)
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ConfigError(f"`{name}` (={value!r}) must be a positive int (e.g. groups=32, width_per_group=4 "
                                   "for resnext50_32x4d)")
         block_cls = {"basic": BasicBlock, "bottleneck": Bottleneck}.get(self.block)
@@ -357,7 +356,7 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
 def layer4_side(image_size: int) -> int:
     """Side of layer4's feature map for `image_size` px inputs (no dilation): the stem conv, the
     max-pool and layer2..4 each halve it, rounding up (32 px -> 1x1, 33 px -> 2x2)."""
-    if isinstance(image_size, (bool, np.bool_)) or not isinstance(image_size, (int, np.integer)) or image_size < 1:
+    if not is_int(image_size) or image_size < 1:
         raise ConfigError(f"`image_size` (={image_size!r}) must be an int >= 1 (pixels per side)")
     side = (image_size + 2 * 3 - 7) // 2 + 1
     for _ in range(4):

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._args import finite, whole
 from .._errors import ConfigError
 
 Schedule = Callable[[jax.Array], jax.Array]
@@ -58,21 +59,8 @@ def _check_non_negative(**values) -> None:
     """torch.optim refuses negative values; NaN and inf are refused too (torch takes them and
     trains to NaN). Schedules (callables) are left to their own checks."""
     for name, value in values.items():
-        if callable(value):
-            continue
-        number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-        if not (number and math.isfinite(value) and value >= 0):
-            schedule = " or a schedule (step -> lr)" if name == "learning_rate" else ""
-            raise ConfigError(f"`{name}` (={value!r}) must be a finite number >= 0{schedule}")
-
-
-def _finite(name: str, value) -> float:
-    """A finite real number: None, a string or NaN failed later inside optax or jax with an
-    error naming none of the arguments (and a NaN gamma silently never decayed)."""
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value)):
-        raise ConfigError(f"`{name}` (={value!r}) must be a finite number")
-    return float(value)
+        if not callable(value):
+            finite(name, value, minimum=0, hint=" or a schedule (step -> lr)" if name == "learning_rate" else "")
 
 
 def sgd(
@@ -109,7 +97,7 @@ def sgd(
       >>> tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     """
     _check_non_negative(learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay)
-    _finite("dampening", dampening)  # torch takes any number here, negative ones included
+    finite("dampening", dampening)  # torch takes any number here, negative ones included
     if nesterov and (momentum <= 0 or dampening != 0):
         raise ConfigError(
             f"nesterov momentum needs `momentum` > 0 and `dampening` == 0 (got momentum={momentum}, "
@@ -199,19 +187,7 @@ def _lookup(values: Sequence[float], index: Callable[[jax.Array], jax.Array],
 
 
 def _check_base_lr(base_lr: float) -> float:
-    number = isinstance(base_lr, (int, float, np.integer, np.floating)) and not isinstance(base_lr, bool)
-    if not (number and math.isfinite(base_lr) and base_lr >= 0):
-        raise ConfigError(f"`base_lr` (={base_lr!r}) must be a finite number >= 0, as torch.optim's learning rate")
-    return float(base_lr)  # a numpy float32 would round every value of the table to float32
-
-
-def _whole(name: str, value, minimum: int | None = None) -> int:
-    """An int (or an integral float), >= minimum if given; torch's schedulers compare steps with
-    ==, so a fractional value would silently never be reached."""
-    number = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
-    if not (number and math.isfinite(value) and value == int(value)) or (minimum is not None and value < minimum):
-        raise ConfigError(f"`{name}` (={value!r}) must be a whole number" + (f" >= {minimum}" if minimum is not None else ""))
-    return int(value)
+    return finite("base_lr", base_lr, minimum=0, hint=", as torch.optim's learning rate")
 
 
 def step_lr(base_lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
@@ -222,8 +198,8 @@ def step_lr(base_lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
     as `lr * gamma ** k`, equal within rounding.
     """
     base_lr = _check_base_lr(base_lr)
-    step_size = _whole("step_size", step_size, 1)
-    gamma = _finite("gamma", gamma)
+    step_size = whole("step_size", step_size, 1)
+    gamma = finite("gamma", gamma)
     lrs = [base_lr]
     while len(lrs) <= _MAX_DECAYS:
         lr = lrs[-1] * gamma
@@ -244,12 +220,12 @@ def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) 
     numbers: torch never reaches a fractional one, which is almost always a mistake.
     """
     base_lr = _check_base_lr(base_lr)
-    gamma = _finite("gamma", gamma)
+    gamma = finite("gamma", gamma)
     if isinstance(milestones, (str, bytes)) or not hasattr(milestones, "__iter__"):
         raise ConfigError(f"`milestones` (={milestones!r}) must be a list of steps, e.g. [30, 60, 90]")
     counts: dict[int, int] = {}
     for m in milestones:
-        m = _whole("milestones", m)
+        m = whole("milestones", m)
         if m >= 0:  # torch's step count never goes below 0: a negative milestone never fires
             counts[m] = counts.get(m, 0) + 1
     at = sorted(counts)
@@ -274,8 +250,8 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     lr rises again) it evaluates that closed form, which torch's recursion follows within rounding.
     """
     base_lr = _check_base_lr(base_lr)
-    t_max = _whole("t_max", t_max, 1)
-    eta_min = _finite("eta_min", eta_min)
+    t_max = whole("t_max", t_max, 1)
+    eta_min = finite("eta_min", eta_min)
     lrs, lr = [], base_lr
     for t in range(max(t_max, _COSINE_EXACT) + 1):
         if t == 0:
@@ -303,10 +279,10 @@ def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.
     does, with `optax.join_schedules([linear_warmup(...), cosine_annealing_lr(...)], [total_iters])`.
     """
     base_lr = _check_base_lr(base_lr)
-    start_factor, end_factor = _finite("start_factor", start_factor), _finite("end_factor", end_factor)
+    start_factor, end_factor = finite("start_factor", start_factor), finite("end_factor", end_factor)
     if not (0 < start_factor <= 1 and 0 <= end_factor <= 1):
         raise ConfigError(f"`start_factor` (={start_factor}) must be in (0, 1] and `end_factor` (={end_factor}) in [0, 1]")
-    total_iters = _whole("total_iters", total_iters, 0)
+    total_iters = whole("total_iters", total_iters, 0)
     lrs, lr = [], base_lr
     for t in range(total_iters + 1):
         if t == 0:
@@ -325,5 +301,5 @@ def per_epoch(schedule: Schedule, steps_per_epoch: int) -> Schedule:
         raise ConfigError(f"`schedule` (={schedule!r}) must be a schedule (epoch -> lr), e.g. step_lr(0.1, 30); "
                           "a constant learning rate needs no per_epoch")
     # A float (even 3.0) failed at the first update with "Indexer must have integer type".
-    steps_per_epoch = _whole("steps_per_epoch", steps_per_epoch, 1)
+    steps_per_epoch = whole("steps_per_epoch", steps_per_epoch, 1)
     return lambda count: schedule(jnp.asarray(count) // steps_per_epoch)
