@@ -186,3 +186,20 @@ def test_train_mode_over_one_value_per_channel_is_refused_like_torch(image_size,
         ref(x)
         model.apply(variables, xj, train=True, mutable=["batch_stats"])
     model.apply(variables, xj, train=False)  # eval mode uses the running statistics: always fine
+
+
+@pytest.mark.parametrize("custom_vjps", [True, False])
+def test_empty_train_mode_batch_passes_through_like_torch(custom_vjps):
+    """torch passes an empty batch through train mode: an empty output, running statistics
+    untouched, every num_batches_tracked counted. The port refused it, saying "one value per
+    channel"."""
+    ref = torchvision.models.resnet18(num_classes=10).train()
+    variables = torch_compat.torch_to_flax(ref.state_dict())
+    out_t = ref(torch.zeros(0, 3, 32, 32))
+    model = models.resnet18(num_classes=10, custom_vjps=custom_vjps)
+    out, state = model.apply(variables, jnp.zeros((0, 32, 32, 3)), train=True, mutable=["batch_stats"])
+    assert out.shape == tuple(out_t.shape) == (0, 10)
+    back = torch_compat.flax_to_torch({"params": variables["params"], **state}, "resnet18")
+    for key, value in ref.state_dict().items():
+        np.testing.assert_array_equal(back[key].numpy(), value.numpy(), err_msg=key)
+    assert int(ref.state_dict()["bn1.num_batches_tracked"]) == 1

@@ -15,6 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from .._errors import ConfigError
 from ._grads import use_custom_vjps
 
 Dtype = Any
@@ -60,6 +61,11 @@ class BatchNorm(nn.Module):
         count = self.variable("batch_stats", "num_batches_tracked", jnp.zeros, (), jnp.int32)
 
         if train and not self.is_initializing():
+            if x.size == 0 and self.axis_name is None:
+                # torch passes an empty batch through in train mode: an empty output, the
+                # running statistics untouched, num_batches_tracked still counted.
+                count.value = count.value + 1
+                return x
             self._check_values_per_channel(x)
         stat_dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
         xs = x.astype(stat_dtype)
@@ -93,9 +99,10 @@ class BatchNorm(nn.Module):
         if n * devices < 2:
             where = "/".join(self.scope.path) or "BatchNorm"
             across = f" on each of {devices} devices" if devices > 1 else ""
-            raise ValueError(f"BatchNorm `{where}` in train mode got input {tuple(x.shape)}{across}: one value per "
-                             "channel, which torch refuses (its statistics are undefined); give it more images or "
-                             "larger maps, or synchronise the statistics across devices (`axis_name`)")
+            values = "no values" if n * devices == 0 else "one value"
+            raise ConfigError(f"BatchNorm `{where}` in train mode got input {tuple(x.shape)}{across}: {values} per "
+                              "channel, which torch refuses (its statistics are undefined); give it more images or "
+                              "larger maps, or synchronise the statistics across devices (`axis_name`)")
 
     def _update_running(self, ra_mean, ra_var, count, mean, var, n):
         """torch's update: biased batch variance normalises, the unbiased one is stored."""
