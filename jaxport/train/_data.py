@@ -12,11 +12,13 @@ where that loader is built.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import os
 import pickle
+import signal
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -144,7 +146,12 @@ def _image_files(class_dir: str, blocked: set[str]) -> list[str]:
     followed, those would repeat images without end, or label another class's images as this one.
     """
     visited, found = set(), []
-    for dirpath, dirnames, files in os.walk(class_dir, followlinks=True):
+
+    def unreadable(e: OSError) -> None:  # os.walk skips such a folder silently, and its images with it
+        warnings.warn(f"skipping unreadable folder {e.filename}: {e.strerror or e}; its images are left out "
+                      "(check its permissions)", stacklevel=4)
+
+    for dirpath, dirnames, files in os.walk(class_dir, followlinks=True, onerror=unreadable):
         real = os.path.realpath(dirpath)
         visited.add(real)
         keep = []
@@ -177,15 +184,20 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
     blocked = {os.path.realpath(root), *class_dirs}  # never entered through a link from a class folder
     candidates = [(path, label) for label, (cls, real) in enumerate(zip(classes, class_dirs))
                   for path in _image_files(os.path.join(root, cls), blocked - {real})]
-    # One sample per real file: a file linked into another class folder belongs to the folder
-    # that really holds it (a link loses to the file itself), else to the first path reaching it.
+    # One sample per real file: a file linked (itself, or a folder above it) into another class
+    # folder belongs to the class folder that really holds it (then a link loses to the file
+    # itself), else to the first path reaching it.
+    def rank(i: int) -> tuple[bool, bool]:
+        path, label = candidates[i]
+        return os.path.realpath(path).startswith(class_dirs[label] + os.sep), not os.path.islink(path)
+
     owner: dict[str, int] = {}
     for i, (path, _) in enumerate(candidates):
         real = os.path.realpath(path)
         if real in seen:  # taken by the other split
             continue
         j = owner.get(real)
-        if j is None or (os.path.islink(candidates[j][0]) and not os.path.islink(path)):
+        if j is None or rank(i) > rank(j):
             owner[real] = i
     seen.update(owner)
     repeated = len(candidates) - len(owner)
@@ -203,6 +215,10 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
         warnings.warn(f"{repeated} image path(s) in {root} lead to a file already taken (symbolic links): each file "
                       "is used once", stacklevel=2)
     if not samples:
+        loose = sum(e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in os.scandir(root))
+        if loose and not classes:  # "holds no images" would be false: they are not in class folders
+            raise ConfigError(f"`{name}` (={root}) holds {loose} image(s) but no class sub-folders: ImageFolder "
+                              "labels an image by the sub-folder holding it; move them into one sub-folder per class")
         raise ConfigError(f"`{name}` (={root}) holds no images: expected one sub-folder per class with "
                           f"{', '.join(IMG_EXTENSIONS)} files in it")
     has_images = {label for _, label in samples}
@@ -229,8 +245,12 @@ class _Undecodable:
 
     path: str
     reason: str
+    unreadable: bool = False  # the file itself (gone, forbidden, an I/O error), not its data
 
     def error(self) -> ConfigError:
+        if self.unreadable:
+            return ConfigError(f"`--data`: image {self.path} cannot be read ({self.reason}), though it could when the "
+                               "run started; restore it (or its permissions), or remove it, then rerun")
         return ConfigError(f"`--data`: image {self.path} cannot be decoded past its header ({self.reason}); remove "
                            "it, or re-encode it (open and save it again), then rerun")
 
@@ -252,14 +272,30 @@ class _Folder:
         path, label = self.samples[index]
         try:
             with Image.open(path) as im:
-                img = im.convert("RGB")
+                img = _rgb(im)
         except Exception as e:  # noqa: BLE001 - truncated or corrupt data behind a valid header
             first = (str(e).strip().splitlines() or [""])[0]
-            return _Undecodable(path, f"{type(e).__name__}: {first[:200]}"), label
+            # An errno is the system's refusal; PIL's decoding errors are OSErrors without one.
+            gone = isinstance(e, OSError) and e.errno is not None
+            return _Undecodable(path, f"{type(e).__name__}: {first[:200]}", gone), label
         # torchvision's random transforms draw from torch's global RNG: seeding it per example
         # (inside the worker) makes the crop a function of (seed, epoch, index) alone.
         torch.manual_seed(example_seed(self.seed, epoch, index))
         return self.transform(img).permute(1, 2, 0).numpy(), label
+
+
+def _rgb(im):
+    """`im.convert("RGB")`, but 16-bit greyscale keeps its high byte, as Pillow reads 16-bit RGB.
+
+    Pillow clips 16-bit grey at 255 instead (and opens 16-bit PNG and TIFF as `I;16`, 16-bit
+    PGM as `I`): torchvision's ImageFolder trains on white images (pytorch/vision#2218).
+    """
+    from PIL import Image
+
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N") or (im.mode == "I" and im.format in ("PNG", "PPM")):
+        grey = np.clip(np.asarray(im).astype(np.int64) >> 8, 0, 255).astype(np.uint8)
+        return Image.fromarray(grey).convert("RGB")
+    return im.convert("RGB")
 
 
 def _collate(items):
@@ -280,12 +316,33 @@ def _init_worker(_worker_id: int, showwarning=None) -> None:
     Workers are spawned, so they start with Python's warning display: a PIL warning raised while
     decoding printed two raw lines beside the CLI's one-line `jaxport: warning: ...`.
     """
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if showwarning is not None:
         warnings.showwarning = showwarning
+
+
+@contextlib.contextmanager
+def _signals_blocked(workers: int):
+    """SIGINT and SIGTERM blocked in this thread while it spawns `workers`, which inherit the mask.
+
+    `_init_worker` ignores them only once a worker has imported torch and torchvision, seconds
+    after it starts: a Ctrl-C in between (at each epoch's start, or an evaluation's) printed
+    every worker's KeyboardInterrupt traceback, and failed the loader. Blocked in this thread
+    only, a signal still reaches the trainer through its other threads, or on unblocking.
+    """
+    if not workers or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    # Started first: starting, it unblocks both signals in this thread (rather than restoring).
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _worker_init_fn():
@@ -316,7 +373,8 @@ def _torch_split(samples, transform, seed, workers) -> Split:
                                 prefetch_factor=4 if workers else None,
                                 # jax runs threads: fork could deadlock, so workers are spawned.
                                 multiprocessing_context="spawn" if workers else None)
-        it = iter(loader)
+        with _signals_blocked(workers):
+            it = iter(loader)  # starts the workers
         try:
             for batch in it:
                 if isinstance(batch, _Undecodable):
@@ -342,14 +400,18 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. A `root` with a
     `train/` sub-folder is split torchvision's way: `train/` and the held-out `val/` (or
     `validation/` or `valid/`), each with one sub-folder per class; otherwise the sub-folders
-    are the classes and a fixed stratified `val_fraction` of the images is held out. Images
-    whose header cannot be read are skipped with a warning and counted; symbolic links are
-    followed, and a file reached twice is used once.
+    are the classes and a fixed stratified `val_fraction` of the images is held out (rounded
+    per class, never a class's last image). Images whose header cannot be read are skipped
+    with a warning and counted; symbolic links are followed, and a file reached twice is used
+    once, in the class folder that really holds it. Images are read as torchvision's loader
+    reads them (`convert("RGB")`), except 16-bit greyscale, which keeps its high byte where
+    that loader clips it to white.
 
     Raises:
       ConfigError: a missing or empty directory, a class folder without images, a single class,
         or a `train/` folder without exactly one of `val/`, `validation/`, `valid/` beside it.
-        Loading an image that fails to decode past its header raises it too, naming the file.
+        Loading an image that fails to decode past its header, or that can no longer be read,
+        raises it too, naming the file.
     """
     from torchvision import transforms as T
 
@@ -386,7 +448,9 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         is_val = np.zeros(len(samples), bool)
         for c in np.unique(labels):
             idx = rng.permutation(np.flatnonzero(labels == c))
-            is_val[idx[: int(np.floor(val_fraction * len(idx)))]] = True
+            # Rounded (floored, classes under 1 / val_fraction images held out none: 9 images in
+            # each of 100 classes were "too few images to hold out 10%"), and never a whole class.
+            is_val[idx[: min(int(np.floor(val_fraction * len(idx) + 0.5)), len(idx) - 1)]] = True
         train_samples = [s for s, v in zip(samples, is_val) if not v]
         val_samples = [s for s, v in zip(samples, is_val) if v]
         if not val_samples:
@@ -407,7 +471,8 @@ def _fingerprint(root: str, *splits: list[tuple[str, int]], sizes: int = 256) ->
     for split in splits:
         h.update(b"split;")
         for path, label in split:
-            h.update(f"{os.path.relpath(path, root)}:{label};".encode())
+            # os.fsencode: a name that is not UTF-8 (undecodable bytes) is a str .encode() refuses
+            h.update(os.fsencode(os.path.relpath(path, root)) + f":{label};".encode())
         for path, _ in split[::max(1, len(split) // sizes)][:sizes]:
             h.update(f"{os.path.getsize(path)};".encode())
     return h.hexdigest()[:16]

@@ -1,0 +1,200 @@
+"""ImageFolder loading (`jaxport.train._data`) on awkward folders, each test a regression named
+after what broke. Images are a few pixels and `image_size` 16, so each test takes seconds.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+from torchvision.datasets.folder import pil_loader
+
+from jaxport._errors import ConfigError
+from jaxport.train import _data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _images(folder, n, start=0, size=(10, 12)):
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(start)
+    for i in range(start, start + n):
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def test_a_folder_linked_from_another_class_keeps_its_images_in_their_own_class(tmp_path):
+    """`cat/dogs -> dog/more` labelled dog/more's images cat, and took them out of dog: only a
+    link to a file lost to the file itself, not a path through a linked folder."""
+    root = tmp_path / "data"
+    for c in ("cat", "dog"):
+        _images(root / c, 3)
+        _images(root / c / "more", 3, start=10)
+    os.symlink(root / "dog" / "more", root / "cat" / "dogs")
+    with pytest.warns(UserWarning, match="3 image path"):
+        classes, samples, _ = _data._scan(str(root), "--data")
+    reals = [os.path.realpath(p) for p, _ in samples]
+    assert len(reals) == len(set(reals)) == 12
+    assert [sum(y == k for _, y in samples) for k in range(2)] == [6, 6]
+    assert all(r.startswith(os.path.realpath(root / classes[y]) + os.sep) for r, (_, y) in zip(reals, samples))
+
+
+def test_an_unreadable_folder_is_named(tmp_path, monkeypatch):
+    """os.walk skips a folder it cannot list without a word: its images were silently left
+    out, and an unreadable class folder was said to "hold no readable images"."""
+    root = tmp_path / "data"
+    for c in ("a", "b", "c"):
+        _images(root / c, 10)
+    _images(root / "b" / "locked", 5, start=10)
+    locked = {str(root / "b" / "locked"), str(root / "c")}
+    if os.geteuid() == 0:  # root lists folders whatever their mode: refuse as the kernel would
+        scandir = os.scandir
+        monkeypatch.setattr(os, "scandir", lambda p=".": (_ for _ in ()).throw(
+            PermissionError(13, "Permission denied", os.fspath(p))) if os.fspath(p) in locked else scandir(p))
+    for p in locked:
+        os.chmod(p, 0)
+    try:
+        with pytest.warns(UserWarning) as record:
+            with pytest.raises(ConfigError, match=r"class folder\(s\) 'c' hold no readable images"):
+                _data.image_folder(str(root), workers=0)
+        for p in locked:
+            assert any(f"skipping unreadable folder {p}: Permission denied; its images are left out" in str(w.message)
+                       for w in record), [str(w.message) for w in record]
+    finally:
+        for p in locked:
+            os.chmod(p, 0o755)
+
+
+def test_16_bit_greyscale_trains_as_its_8_bit_copy(tmp_path):
+    """Pillow opens 16-bit grey PNG and TIFF as `I;16` (PGM as `I`) and `convert("RGB")` clips
+    it at 255: every such image was trained on as white, as in torchvision's ImageFolder
+    (pytorch/vision#2218), while 16-bit RGB keeps its high byte. Now grey does too:
+    `v * 257 >> 8 == v`, so a 16-bit image loads exactly as its 8-bit copy."""
+    rng = np.random.default_rng(0)
+    for c in ("a", "b"):
+        for i, ext in enumerate(("png", "tif", "pgm") * 2):
+            v = rng.integers(0, 256, (10, 12), dtype=np.uint16)
+            for bits, pixels in ((8, v.astype(np.uint8)), (16, v * 257)):
+                os.makedirs(tmp_path / str(bits) / c, exist_ok=True)
+                Image.fromarray(pixels).save(tmp_path / str(bits) / c / f"{i}.{ext}")
+    with Image.open(tmp_path / "16" / "a" / "0.png") as im:
+        assert im.mode == "I;16"
+    assert (np.asarray(pil_loader(str(tmp_path / "16" / "a" / "0.png"))) == 255).mean() > 0.95  # torchvision: white
+    eight, sixteen = (_data.image_folder(str(tmp_path / b), image_size=16, workers=0, val_fraction=0.5)
+                      for b in ("8", "16"))
+    for split in ("train", "val"):
+        n = getattr(eight, split).num_examples
+        want, got = getattr(eight, split).load(range(n), 0), getattr(sixteen, split).load(range(n), 0)
+        np.testing.assert_array_equal(got[0], want[0], err_msg=split)
+        np.testing.assert_array_equal(got[1], want[1], err_msg=split)
+
+
+def test_classes_smaller_than_one_over_val_fraction_hold_out_a_rounded_share(tmp_path):
+    """The held-out count per class was floored: 9 images in each of 12 classes (108) were
+    "too few images to hold out 10%", and 19 images held out 1 (5%)."""
+    for k in range(12):
+        _images(tmp_path / "nine" / f"c{k:02d}", 9, size=(4, 4))
+    data = _quiet(_data.image_folder, str(tmp_path / "nine"), image_size=16, workers=0)
+    assert (data.train.num_examples, data.val.num_examples) == (96, 12)
+    for n in (1, 4, 5, 15, 19):
+        _images(tmp_path / "sizes" / f"n{n:02d}", n, size=(4, 4))
+    data = _quiet(_data.image_folder, str(tmp_path / "sizes"), image_size=16, workers=0)
+    # round(0.1 n), halves up: 0, 0, 1, 2, 2
+    assert (data.train.num_examples, data.val.num_examples) == (44 - 5, 5)
+    data = _quiet(_data.image_folder, str(tmp_path / "sizes"), image_size=16, workers=0, val_fraction=0.9)
+    assert (data.train.num_examples, data.val.num_examples) == (6, 38)  # each class keeps a training image
+    assert sorted(set(data.train.load(range(6), 0)[1])) == [0, 1, 2, 3, 4]
+    for c in ("a", "b"):
+        _images(tmp_path / "few" / c, 4, size=(4, 4))
+    with pytest.raises(ConfigError, match="too few images to hold out 10%"):  # 2 x 4 images: still none
+        _data.image_folder(str(tmp_path / "few"), workers=0)
+
+
+def test_the_fingerprint_takes_names_that_are_not_utf8(tmp_path):
+    """A file or class name that is not UTF-8 (undecodable bytes, as Linux allows) failed the
+    cross-process data check of a multi-process run with a UnicodeEncodeError."""
+    root = os.fsencode(tmp_path / "data")
+    try:
+        for c in (b"caf\xe9", b"b"):
+            folder = os.path.join(root, c)
+            os.makedirs(folder)
+            for i in range(10):
+                Image.new("RGB", (4, 4), (i, 0, 0)).save(os.path.join(folder, b"x\xff%d.png" % i))
+    except (OSError, ValueError):
+        pytest.skip("this file system takes only UTF-8 names")
+    data = _data.image_folder(os.fsdecode(root), image_size=16, workers=0)
+    assert data.classes == ["b", "caf\udce9"]
+    digest = data.fingerprint()
+    assert len(digest) == 16
+    os.rename(os.path.join(root, b"b", b"x\xff0.png"), os.path.join(root, b"b", b"x\xfe0.png"))
+    assert _data.image_folder(os.fsdecode(root), image_size=16, workers=0).fingerprint() != digest
+
+
+@pytest.mark.skipif(not hasattr(__import__("signal"), "pthread_sigmask") or not os.path.isdir("/proc/self"),
+                    reason="POSIX signal masks and /proc")
+def test_ctrl_c_while_loader_workers_start_leaves_them_serving(tmp_path):
+    """Workers ignore SIGINT only once they have imported torch, seconds after they start (at
+    every epoch's and evaluation's start): a Ctrl-C then printed each worker's KeyboardInterrupt
+    traceback and failed the loader, so the trainer could not finish the step it checkpoints."""
+    _images(tmp_path / "data" / "a", 10)
+    _images(tmp_path / "data" / "b", 10)
+    script = textwrap.dedent(f"""
+        import os, signal, threading, time, warnings
+        from jaxport.train import _data
+
+        warnings.simplefilter("ignore")
+        data = _data.image_folder({str(tmp_path / "data")!r}, image_size=16, workers=1)
+        done = threading.Event()
+
+        def interrupt_children():  # Ctrl-C reaches the whole process group; here only the children
+            while not done.is_set():
+                for pid in filter(str.isdigit, os.listdir("/proc")):
+                    try:
+                        with open(f"/proc/{{pid}}/stat") as f:
+                            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                    except (OSError, ValueError, IndexError):
+                        continue
+                    if ppid == os.getpid():
+                        os.kill(int(pid), signal.SIGINT)
+                time.sleep(0.01)
+
+        threading.Thread(target=interrupt_children, daemon=True).start()
+        stream = data.train.stream(iter([[0, 1], [2, 3]]), 0)
+        try:
+            shapes = [x.shape for x, _ in stream]
+        finally:
+            done.set()
+            stream.close()
+        print("loaded", shapes)
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "loaded [(2, 16, 16, 3), (2, 16, 16, 3)]" in out.stdout
+    assert "KeyboardInterrupt" not in out.stderr, out.stderr[-3000:]
+
+
+def test_images_outside_class_folders_and_files_gone_since_the_scan_are_told_as_such(tmp_path):
+    """A folder of images without class sub-folders was said to "hold no images"; a file
+    deleted (or made unreadable) after the scan "cannot be decoded past its header", with the
+    advice to re-encode it."""
+    _images(tmp_path / "flat", 5, size=(4, 4))
+    with pytest.raises(ConfigError, match=r"`--data` \(=\S+flat\) holds 5 image\(s\) but no class sub-folders: "
+                                          "ImageFolder labels an image by the sub-folder holding it; move them"):
+        _data.image_folder(str(tmp_path / "flat"), workers=0)
+    for c in ("a", "b"):
+        _images(tmp_path / "data" / c, 10, size=(4, 4))
+    data = _data.image_folder(str(tmp_path / "data"), image_size=16, workers=0)
+    gone = tmp_path / "data" / "b" / "9.png"
+    gone.unlink()
+    with pytest.raises(ConfigError, match=rf"image {gone} cannot be read \(FileNotFoundError: .*\), though it could "
+                                          r"when the run started; restore it \(or its permissions\), or remove it"):
+        data.train.load(range(data.train.num_examples), 0)
