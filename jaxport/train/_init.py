@@ -29,6 +29,9 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
     Raises:
       CheckpointError: the file is missing or unreadable, or holds another architecture.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"`--init` (={path!r}) must be a path: a torch checkpoint, a .safetensors file or a workdir")
+    path = os.fspath(path)  # a pathlib.Path failed at `path.endswith` below
     if not os.path.exists(path):
         raise CheckpointError(f"`--init` (={path}) does not exist")
     if os.path.isdir(path):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._args import is_int, is_real
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, save_variables
 from ..models import ARCHS, build, layer4_side
@@ -67,6 +68,13 @@ class TrainConfig:
 
 
 def _validate(cfg: TrainConfig) -> None:
+    # "" is no directory: it failed with "No such file or directory: ''" after the model was built.
+    if not isinstance(cfg.workdir, (str, os.PathLike)) or not os.fspath(cfg.workdir):
+        raise ConfigError(f"`--workdir` (={cfg.workdir!r}) must be a directory path, new or existing")
+    for name in ("data", "init"):  # `os.path.isdir(5)` asks about file descriptor 5
+        value = getattr(cfg, name)
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
+            raise ConfigError(f"`--{name}` (={value!r}) must be a path, or None")
     blocking = next((p for p in (cfg.workdir, *map(str, Path(cfg.workdir).parents))
                      if os.path.exists(p) and not os.path.isdir(p)), None)
     if blocking is not None:
@@ -75,27 +83,43 @@ def _validate(cfg: TrainConfig) -> None:
     _check_workdir(cfg)
     if cfg.arch not in ARCHS:
         raise ConfigError(f"`--arch` (={cfg.arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    # The library takes any Python value: a float, bool or string in an integer setting failed deep
+    # in numpy or jax (or ran with 1.5 or True), naming none of the settings.
     for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices"):
         value = getattr(cfg, name)
+        flag = name if name == "devices" else "--" + name.replace("_", "-")  # `devices`: library only
+        if value is not None and not is_int(value):
+            raise ConfigError(f"`{flag}` (={value!r}) must be an integer >= 1")
         if value is not None and value < 1:
-            flag = name if name == "devices" else "--" + name.replace("_", "-")  # `devices`: library only
             raise ConfigError(f"`{flag}` (={value}) must be >= 1")
-    if cfg.workers is not None and cfg.workers < 0:
-        raise ConfigError(f"`--workers` (={cfg.workers}) must be >= 0 (0 loads in the main process)")
+    if cfg.workers is not None and not (is_int(cfg.workers) and cfg.workers >= 0):
+        what = "must be >= 0" if is_int(cfg.workers) else "must be an integer >= 0"
+        raise ConfigError(f"`--workers` (={cfg.workers!r}) {what} (0 loads in the main process)")
+    # numpy's data order takes seeds >= 0, jax's key ones < 2**63: others were internal errors.
+    if not (is_int(cfg.seed) and 0 <= cfg.seed < 2**63):
+        raise ConfigError(f"`--seed` (={cfg.seed!r}) must be an integer from 0 to 2**63 - 1")
     if cfg.dtype not in ("float32", "bfloat16"):
         raise ConfigError(f"`--dtype` (={cfg.dtype!r}) must be float32 or bfloat16")
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
-    if not (math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ConfigError(f"`--lr` (={cfg.lr}) must be a finite number > 0")
+    if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
+        raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
     for name in ("momentum", "weight_decay"):
         value = getattr(cfg, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"`--{name.replace('_', '-')}` (={value}) must be a finite number >= 0")
-    if cfg.batch_size != "auto" and (not isinstance(cfg.batch_size, int) or cfg.batch_size < 1):
+        if not (is_real(value) and math.isfinite(value) and value >= 0):
+            raise ConfigError(f"`--{name.replace('_', '-')}` (={_shown(value)}) must be a finite number >= 0")
+    if cfg.batch_size != "auto" and (not is_int(cfg.batch_size) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
+    for name in ("sync_bn", "trusted", "resume"):
+        if not isinstance(getattr(cfg, name), (bool, np.bool_)):
+            raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)!r}) must be True or False")
     if cfg.data is not None and not os.path.isdir(cfg.data):
         raise ConfigError(f"`--data` (={cfg.data}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder per class) or leave --data out to train on the embedded digits")
+
+
+def _shown(value) -> str:
+    """A number as the flag would be written (0.1, nan), anything else as Python writes it ('0.1')."""
+    return str(value) if is_real(value) else repr(value)
 
 
 def _check_workdir(cfg: TrainConfig) -> None:
@@ -231,12 +255,19 @@ def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
                               f"{'0' if saved[key] == 0 else 'not 0'}, or start a new --workdir")
 
 
-def _changes(saved: dict | None, now: dict) -> str:
+def _changes(saved: dict | None, now: dict, batch: int | None = None) -> str:
     """` with changed settings: --lr 0.01 (was 0.05), ...`, or nothing."""
     if saved is None:  # written before settings were recorded
         return " (its checkpoint does not record the earlier settings; this run uses the ones given now)"
     changed = [f"--{k.replace('_', '-')} {now[k]} (was {saved.get(k)})" for k in _RESUMABLE
                if k in saved and saved[k] != now[k]]
+    # Another device count resumes exactly with SyncBatchNorm, but per-device BatchNorm then
+    # normalises over another number of images: a change of the training, said like the others.
+    was, n = saved.get("num_devices"), now.get("num_devices")
+    if was is not None and n is not None and was != n:
+        bn = "" if now["sync_bn"] or batch is None else (
+            f": per-device BatchNorm now normalises over {batch // n} images, was {batch // was}")
+        changed.append(f"{n} device(s) (was {was}{bn})")
     if not changed:
         return ""
     schedule = " (the cosine schedule now ends at the new --epochs)" if saved.get("epochs") != now["epochs"] else ""
@@ -379,6 +410,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     and exit with status 2 at once (they are blocked in the step's collectives, where no
     exception can reach them); the one that failed raises as usual and exits with status 2 too.
     """
+    if not isinstance(cfg, TrainConfig):
+        raise ConfigError(f"`cfg` (a {type(cfg).__name__}) must be a TrainConfig: train(TrainConfig(workdir=...))")
     invalid = None
     try:
         _validate(cfg)
@@ -408,6 +441,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     # launch line) would train silently wrong weights or hang in a collective.
     _distributed.check_same_settings(_flags(cfg))
 
+    if cfg.devices and cfg.devices > jax.device_count():  # the slice below would silently take fewer
+        raise ConfigError(f"`devices` (={cfg.devices}) is more than the {jax.device_count()} device(s) jax sees; "
+                          f"use at most {jax.device_count()}, or None for all of them")
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
@@ -467,7 +503,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
     meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
             "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0],
-            "settings": {k: getattr(cfg, k) for k in _RESUMABLE}}
+            "settings": {k: getattr(cfg, k) for k in _RESUMABLE} | {"num_devices": n_dev}}
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
     result: dict = {}
     bar = None
@@ -481,7 +517,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
             _check_optimizer_state(saved.get("settings"), meta["settings"], cfg.workdir)
             state, saved = _checkpoint.restore(mngr, state)
             meta["epoch_sums"] = saved["epoch_sums"]
-            say(f"resuming from step {int(state.step)}{_changes(saved.get('settings'), meta['settings'])}")
+            say(f"resuming from step {int(state.step)}{_changes(saved.get('settings'), meta['settings'], batch)}")
         elif cfg.resume:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)

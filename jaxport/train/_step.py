@@ -121,6 +121,21 @@ def _options(mesh: Mesh) -> dict[str, str]:
     return compiler_options(mesh.devices.flat[0].platform)
 
 
+def _check_batch(images, labels, mask=None) -> None:
+    """Refuse, while tracing, labels (or a mask) that are not one per image. Inside `shard_map`
+    each device would broadcast its share against its images: 16 images with 8 labels trained
+    without an error, on labels each repeated twice."""
+    n = images.shape[:1]
+    if labels.shape != n:
+        raise ConfigError(f"`labels` (shape {labels.shape}) must hold one class index per image: shape {n} for "
+                          f"`images` of shape {images.shape}")
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise ConfigError(f"`labels` (dtype {labels.dtype}) must be integer class indices; pass labels.astype(np.int32)")
+    if mask is not None and mask.shape != n:
+        raise ConfigError(f"`mask` (shape {mask.shape}) must hold one weight per image: shape {n} for `images` of "
+                          f"shape {images.shape}")
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
                     donate: bool = True) -> Callable:
     """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
@@ -158,7 +173,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
     sharded = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)), out_specs=(P(), P()),
                             check_vma=False)
-    return jax.jit(sharded, donate_argnums=(0,) if donate else (), compiler_options=_options(mesh))
+
+    def step(state: TrainState, images, labels):
+        _check_batch(images, labels)
+        return sharded(state, images, labels)
+
+    return jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=_options(mesh))
 
 
 def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
@@ -180,4 +200,9 @@ def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
 
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS), P(AXIS)), out_specs=P(),
                             check_vma=False)
-    return jax.jit(sharded, compiler_options=_options(mesh))
+
+    def evaluate(variables, images, labels, mask):
+        _check_batch(images, labels, mask)
+        return sharded(variables, images, labels, mask)
+
+    return jax.jit(evaluate, compiler_options=_options(mesh))
