@@ -68,10 +68,19 @@ def test_both_callback_bridges_match_torch_under_jit_and_vmap(bridge, monkeypatc
     np.testing.assert_array_equal(np.asarray(got_mask), want < k[..., None])
 
 
-def test_topk_mask_long_rows_split_across_threads_stay_exact():
-    # Rows this long make the host kernel split them across its thread pool.
+def test_topk_mask_long_rows_split_across_threads_stay_exact(monkeypatch):
+    # Whether rows are split across the host kernel's thread pool depends on how fast numpy
+    # partitions on this CPU: split them whatever it is. (Before, (6, 20000) was under
+    # _MIN_WORK_PER_THREAD per thread, and this test never split anything.)
+    monkeypatch.setattr(_host, "_MIN_TOPK_ROW_US_FOR_THREADS", 0.0)
+    monkeypatch.setattr(_host, "_MIN_WORK_PER_THREAD", 1)
+    monkeypatch.setattr(_host, "usable_cpus", lambda: 2)  # split on a 1-core machine too
+    blocks = []
+    parallel_rows = _host._parallel_rows
+    monkeypatch.setattr(_host, "_parallel_rows", lambda fn, *a: parallel_rows(
+        lambda lo, hi: (blocks.append((lo, hi)), fn(lo, hi)), *a))
     x = tricky((6, 20000), "float32", seed=6)
-    assert x.shape[-1] >= _host._MIN_TOPK_ROW_FOR_THREADS
     k = np.array([0, 1, 5000, 19999, 20000, 123])
     want = torch_rank(to_torch(x, "float32"), -1, True) < k[:, None]
     np.testing.assert_array_equal(np.asarray(jax.jit(topk_mask)(x, jnp.asarray(k))), want)
+    assert len(blocks) > 1, blocks

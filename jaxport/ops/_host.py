@@ -8,16 +8,22 @@ releases the GIL while it sorts and partitions.
 """
 from __future__ import annotations
 
+import functools
+import time
+
 import numpy as np
 
 from .._cpus import host_pool, usable_cpus
 
 _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
 # Threads pay off only when each numpy call holds the GIL-free part long enough: `topk_rows`
-# makes one short partition call per row, and with rows of 8732 keys (~4 us each) two threads
-# spent their time handing the GIL back and forth (2 threads: 0.54 ms, 1 thread: 0.38 ms at
-# (32, 8732); equal at (256, 8732); at (1024, 32768) 2 threads win, 44 ms against 78 ms).
-_MIN_TOPK_ROW_FOR_THREADS = 1 << 14
+# makes one partition call per row. How long that is depends on the CPU more than on the row:
+# numpy's SIMD introselect ran at ~0.6 ns per key on an Intel Xeon (AVX-512), where two threads
+# spent rows of 8732 keys (~5 us each) handing the GIL back and forth (0.54 ms against 0.38 ms
+# at (32, 8732)), but its scalar one ran at ~7.5 ns per key on an AMD EPYC, where two threads
+# took (32, 8732) from 1.8-2.2 ms to 1.1-1.5 ms and (256, 8732) from 14.5 to 8-10 ms. So rows
+# are split over threads when one row's partition is predicted to take this long:
+_MIN_TOPK_ROW_US_FOR_THREADS = 10.0  # (on that Xeon: rows of >= ~16k keys, as measured there)
 
 
 def _parallel_rows(fn, rows: int, n: int, threads: int | None = None) -> None:
@@ -114,5 +120,21 @@ def topk_rows(key: np.ndarray, k: np.ndarray, out: np.ndarray | None = None) -> 
             need = int(kb[i]) - int(np.count_nonzero(o[i]))
             o[i, np.flatnonzero(row == ti)[:need]] = True
 
-    _parallel_rows(work, k2.shape[0], n, None if n >= _MIN_TOPK_ROW_FOR_THREADS else 1)
+    threaded = n * _partition_ns_per_key() >= _MIN_TOPK_ROW_US_FOR_THREADS * 1e3
+    _parallel_rows(work, k2.shape[0], n, None if threaded else 1)
     return out
+
+
+@functools.cache
+def _partition_ns_per_key() -> float:
+    """numpy's introselect speed on this machine (ns per uint32 key), timed once (~0.1-1 ms).
+
+    Only the choice of threads depends on it, never a result: rows are independent."""
+    row = np.random.default_rng(0).integers(0, 2**32, 8192, dtype=np.uint64).astype(np.uint32)
+    best = float("inf")
+    for _ in range(3):
+        scratch = row.copy()
+        start = time.perf_counter()
+        scratch.partition(1024)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e9 / row.size
