@@ -132,3 +132,16 @@ def test_init_may_be_a_pathlib_path(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, got, variables)
     torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp_path / "r18.pt")
     assert load_init(Path(tmp_path / "r18.pt"), "resnet18")["params"]["fc"]["kernel"].shape == (512, 10)
+
+
+def test_shard_batch_that_does_not_split_names_the_array_and_the_fix():
+    """jax's IndivisibleError for 6 examples over 8 devices named no fix."""
+    from jaxport.train import _step
+
+    mesh = _step.make_mesh()
+    n = mesh.devices.size
+    assert [a.shape for a in _step.shard_batch(mesh, np.zeros((n, 2)), np.zeros(n))] == [(n, 2), (n,)]
+    with pytest.raises(ConfigError, match=rf"shard_batch: array 1 \(shape \({n + 2},\)\) holds {n + 2} examples, "
+                                          rf"which do not split evenly over this process's {n} device\(s\); "
+                                          rf"pass {2 * n} or {n}"):
+        _step.shard_batch(mesh, np.zeros((n, 2)), np.zeros(n + 2))

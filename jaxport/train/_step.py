@@ -89,7 +89,17 @@ def shard_batch(mesh: Mesh, *local: np.ndarray) -> tuple[jax.Array, ...]:
     consecutive slice (process `i` holds rows `[i * n, (i + 1) * n)`).
     """
     sharding = NamedSharding(mesh, P(AXIS))
-    return tuple(jax.make_array_from_process_local_data(sharding, np.asarray(x)) for x in local)
+    local = tuple(np.asarray(x) for x in local)
+    # Checked here: jax's IndivisibleError for a batch that does not split named no fix.
+    here = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    for i, x in enumerate(local):
+        if x.ndim == 0:
+            raise ConfigError(f"array {i} passed to shard_batch is a scalar; pass batches with the examples on axis 0")
+        if len(x) % here:
+            down, up = len(x) // here * here, (len(x) // here + 1) * here
+            raise ConfigError(f"shard_batch: array {i} (shape {x.shape}) holds {len(x)} examples, which do not split "
+                              f"evenly over this process's {here} device(s); pass {up}" + (f" or {down}" if down else ""))
+    return tuple(jax.make_array_from_process_local_data(sharding, x) for x in local)
 
 
 def create_state(variables: dict, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
