@@ -208,6 +208,10 @@ def _cmd_port(args) -> int:
             step("checking the checkpoint")
             ckpt = Path(args.checkpoint)
             print(f"checkpoint: {ckpt}")
+            if ckpt.is_dir():  # said as such, before the output checks below take `.` for a training workdir
+                from torch_compat._load import _sniff
+
+                _sniff(str(ckpt))
         # Decided before any work, so a refused output costs nothing.
         out = _out_path(args.out) if args.out else _default_port_output(ckpt, args.force)
         _check_output(out, ckpt, "checkpoint")

@@ -346,7 +346,8 @@ def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry], cas
 
     Quantized, sparse and float8 tensors have no numpy form (torch's `.numpy()` fails deep
     inside the copy); integer or complex weights would convert silently and compute nonsense.
-    `num_batches_tracked` is an integer counter that becomes int32 (jax's default integer).
+    `num_batches_tracked` is an integer counter that becomes int32 (jax's default integer); saved as a
+    float holding a whole number, it ports as that number, as torch's `load_state_dict` copies it.
     With a `cast` (a floating dtype), float8 weights pass: `_cast` turns them into it exactly.
     """
     bad = []
@@ -355,7 +356,10 @@ def _check_torch_dtypes(state_dict: Mapping[str, Any], entries: list[Entry], cas
         if t is None:
             continue
         if e.flax_path[-1] == "num_batches_tracked":
-            if t.layout != torch.strided or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            # A floating counter holding a whole number (`{k: v.half() for k, v in sd.items()}` casts it too)
+            # is what torch's load_state_dict copies into its int64 buffer: it ports as that integer.
+            if (t.layout != torch.strided or t.is_complex() or t.dtype == torch.bool
+                    or (t.is_floating_point() and not (t.numel() == 1 and float(t).is_integer()))):
                 bad.append((e.torch_key, t, "an integer counter"))
             elif t.numel() == 1 and not _INT32.min <= int(t) <= _INT32.max:
                 raise ConversionError(
@@ -490,6 +494,8 @@ def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
 def _convert_tensor(e: Entry, t: torch.Tensor | None) -> np.ndarray:
     if t is None:  # optional counter, absent from very old checkpoints
         return np.zeros((), np.int32)
+    if e.flax_path[-1] == "num_batches_tracked" and t.is_floating_point():
+        t = t.to(torch.int64)  # a whole number (checked), as torch loads it; float8 has no numpy form
     a = _permuted_copy(t, e.perm) if e.perm is not None else np.array(_to_numpy(t), copy=True)
     return a.astype(np.int32) if e.flax_path[-1] == "num_batches_tracked" else a
 
@@ -604,6 +610,8 @@ def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: Any) -> dict[st
 
 def _cast(key: str, t: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    if key.rsplit(".", 1)[-1] in _OPTIONAL:  # a counter saved as floats is not cast: it ports as an integer
         return t
     t = t.detach()  # a Parameter (keep_vars=True): no autograd graph, no warning from float() below
     out = t.to(dtype)

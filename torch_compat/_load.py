@@ -41,6 +41,7 @@ import os
 import pickle
 import pickletools
 import re
+import stat
 import tarfile
 import warnings
 import zipfile
@@ -132,7 +133,8 @@ def load_state_dict(
         a bigger model: ``"encoder_q."`` selects MoCo's query encoder, ``"backbone.body."``
         torchvision Faster R-CNN's ResNet (the trailing dot may be left out). It applies after
         the wrapper prefixes are removed (``module.encoder_q.`` works too), and they are
-        removed again from what it selects.
+        removed again from what it selects; an ``AveragedModel`` under it (``model_ema.``
+        holding ``module.*`` and ``n_averaged``) gives its averaged weights.
 
     Returns:
       A plain dict, keys in file order (safetensors: data order), wrapper prefixes removed,
@@ -143,7 +145,7 @@ def load_state_dict(
         ...) saved beside the weights in the same dict, which are left out.
 
     Raises:
-      CheckpointError: the path is missing, a directory, empty, truncated, corrupt or not a
+      CheckpointError: the path is missing, a directory, a pipe, empty, truncated, corrupt or not a
         checkpoint (e.g. a tar or zip archive holding one: extract it); its pickle needs
         globals outside the weights-only set, or uses pickle protocol 0/1 (nothing was run);
         it holds no recognisable state dict; no key is under `prefix`; or torch is too old
@@ -181,8 +183,8 @@ def _select_prefix(raw: dict[str, torch.Tensor], stripped: dict[str, torch.Tenso
     prefix = prefix if prefix.endswith(".") else prefix + "."
     for sd in (stripped, raw):  # `encoder_q.` after `module.` is removed, or `module.encoder_q.` as written
         selected = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and len(k) > len(prefix)}
-        if selected:
-            return _strip_wrapper_prefixes(selected)
+        if selected:  # an `AveragedModel` submodule (`model_ema.module.*`, `model_ema.n_averaged`): its weights
+            return _strip_wrapper_prefixes(dict(_without_n_averaged(selected)))
     raise CheckpointError(f"checkpoint '{shown}' has no keys under the prefix {prefix!r} (`prefix`, CLI --prefix); "
                           f"its keys are {describe_keys(stripped)}")
 
@@ -218,13 +220,26 @@ def _sniff(shown: str) -> str:
     if not os.path.exists(shown):
         raise CheckpointError(f"checkpoint '{shown}' does not exist; check the path")
     if os.path.isdir(shown):
+        listing = os.listdir(shown)
+        if ".metadata" in listing and any(name.endswith(".distcp") for name in listing):
+            raise CheckpointError(
+                f"checkpoint '{shown}' is a torch.distributed.checkpoint (DCP) directory of shards, not one "
+                "checkpoint file; gather it into one with torch.distributed.checkpoint.format_utils."
+                f"dcp_to_torch_save({shown!r}, 'model.pt') and pass that file"
+            )
         inside = sorted(
-            name for name in os.listdir(shown)
+            name for name in listing
             if name.endswith((".pt", ".pth", ".bin", ".ckpt", ".safetensors"))
         )
         found = f" (it contains {', '.join(inside[:5])})" if inside else ""
         raise CheckpointError(
             f"checkpoint '{shown}' is a directory{found}; pass the path of a checkpoint file"
+        )
+    if stat.S_ISFIFO(os.stat(shown).st_mode):  # `<(zcat model.pt.gz)`, `cat model.pt | ... /dev/stdin`
+        raise CheckpointError(
+            f"checkpoint '{shown}' is a pipe, not a file: a checkpoint is read by seeking in it (a zip archive, "
+            "a safetensors header), which a pipe cannot do; write it to a file first (e.g. zcat model.pt.gz > "
+            "model.pt) and pass that file"
         )
     try:
         with open(shown, "rb") as f:
@@ -287,6 +302,10 @@ def _sniff_zip(shown: str) -> str:
         return "zip"
     if not names or any(n == "data.pkl" or (n.count("/") == 1 and n.endswith("/data.pkl")) for n in names):
         return "zip"
+    if any(n.count("/") == 1 and n.endswith("/archive_format") for n in names):  # torch's PT2 archive layout
+        raise CheckpointError(f"'{shown}' is a torch.export program archive (torch.export.save, .pt2), not a state "
+                              f"dict; save its weights with torch.save(torch.export.load({shown!r}).module()."
+                              "state_dict(), 'model.pt') and pass that file")
     raise CheckpointError(f"'{shown}' is a zip archive holding {_short_list(names, 5)}, not a checkpoint; extract "
                           f"the checkpoint from it (unzip '{shown}') and pass that file")
 
@@ -569,6 +588,10 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
     is_flat = bool(obj) and all(isinstance(v, torch.Tensor) for v in obj.values())
     looked_for = EMA_KEYS if ema else STATE_DICT_KEYS
     found = [k for k in looked_for if k in obj and _is_weights(obj[k])]
+    if len(found) > 1:
+        # A dict of settings under another candidate key (`{"state_dict": ..., "model": {"arch": "resnet18"}}`,
+        # `{"model_ema": ..., "ema": {"decay": 0.9999}}`) holds no weights: it does not compete.
+        found = [k for k in found if _holds_tensors(obj[k])] or found
     if len(found) > 1:
         raise CheckpointError(
             f"checkpoint '{shown}' holds several candidate state dicts {found}; it is ambiguous "
