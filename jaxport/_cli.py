@@ -353,7 +353,7 @@ def _cmd_export(args) -> int:
     state_dict = torch_compat.flax_to_torch(variables, arch)
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
     with atomic_path(out, nbytes=nbytes + 200 * len(state_dict) + 65536) as tmp:  # data + a bound on the rest
-        if out.suffix == ".safetensors":  # the name says safetensors: no pickle inside it
+        if out.suffix.lower() == ".safetensors":  # the name says safetensors (any case): no pickle inside it
             import safetensors.torch
 
             safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp),

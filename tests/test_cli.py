@@ -186,6 +186,9 @@ def test_export_writes_safetensors_by_name_and_never_over_its_input(tmp_path, ca
     assert from_st.keys() == from_pt.keys()
     assert all(from_st[k].dtype == v.dtype and torch.equal(from_st[k], v) for k, v in from_pt.items())
     torchvision.models.resnet18(num_classes=10).load_state_dict(from_st, strict=True)
+    # Any case: `T.SAFETENSORS` was written as a torch pickle under a safetensors name.
+    assert main(["export", str(variables), "--out", str(tmp_path / "T.SAFETENSORS")]) == 0
+    assert safetensors.torch.load_file(tmp_path / "T.SAFETENSORS").keys() == from_pt.keys()
 
 
 def test_verify_refuses_a_port_of_another_architecture_in_one_line(tmp_path, resnet18_checkpoint, capsys):
