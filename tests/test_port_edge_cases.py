@@ -180,3 +180,32 @@ def test_a_distributed_checkpoint_directory_is_named_with_the_way_to_one_file(tm
     assert err.count("\n") == 1 and "dcp_to_torch_save(" in err, err
     dcp_to_torch_save(tmp_path / "step100", tmp_path / "model.pt")
     _assert_same_weights(load_state_dict(tmp_path / "model.pt"), sd)
+
+
+@pytest.mark.parametrize("layout, prefix", [
+    ("dino", "teacher.backbone."),  # DINO: {"teacher": {"backbone.*": ...}, "student": ..., "epoch": ...}
+    ("dino", "teacher.backbone"),
+    ("under_model", "teacher."),  # {"model": {"teacher": state_dict}}
+    ("module", "ema_model"),  # a pickled module's weights under its own name (trusted files only)
+])
+def test_a_prefix_may_name_nested_dicts(tmp_path, layout, prefix):
+    """`--prefix` only selected keys of one flat state dict: a DINO checkpoint, whose teacher and
+    student are dicts beside each other, had 'no recognisable state dict'."""
+    model = _resnet18()
+    sd = model.state_dict()
+    path = tmp_path / "ckpt.pth"
+    if layout == "dino":
+        torch.save({"teacher": {"backbone." + k: v for k, v in sd.items()},
+                    "student": {"backbone." + k: torch.zeros_like(v) for k, v in sd.items()}, "epoch": 3}, path)
+    elif layout == "under_model":
+        torch.save({"model": {"teacher": sd, "student": {k: torch.zeros_like(v) for k, v in sd.items()}}}, path)
+    else:
+        torch.save({"ema_model": model, "epoch": 3}, path)
+    _assert_same_weights(load_state_dict(path, prefix=prefix, trusted=layout == "module"), sd)
+    if layout != "module":
+        with pytest.raises(CheckpointError) as e:  # the student is not guessed
+            load_state_dict(path)
+        assert "(CLI --prefix teacher.)" in str(e.value)
+        out = tmp_path / "v.safetensors"
+        assert main(["port", str(path), "--prefix", prefix, "--out", str(out)]) == 0
+        assert main(["verify", str(path), str(out), "--prefix", prefix]) == 0

@@ -172,10 +172,48 @@ def load_state_dict(
                 f"state_dict with `jaxport export {shown} --out model.pt`")
     else:
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip")
-    where, sd = _select_state_dict(obj, shown, ema=ema)
+    try:
+        return _weights(obj, shown, ema=ema, prefix=prefix, where="")
+    except CheckpointError:
+        # A prefix may name nested dicts instead of a key prefix: DINO saves
+        # `{"teacher": {"backbone.conv1.weight": ...}, "student": ...}` (`--prefix teacher.backbone.`).
+        nested = _descend(obj, prefix) if prefix is not None else None
+        if nested is None:
+            raise
+        where, inner, rest = nested
+        return _weights(inner, shown, ema=ema, prefix=rest, where=where)
+
+
+def _weights(obj: Any, shown: str, *, ema: bool, prefix: str | None, where: str) -> dict[str, torch.Tensor]:
+    found, sd = _select_state_dict(obj, shown, ema=ema)
+    where = f"{where}{found[len('checkpoint'):]}" if where and found.startswith("checkpoint[") else where or found
     sd = _check_tensors(sd, shown, where)
     stripped = _strip_wrapper_prefixes(sd)
     return stripped if prefix is None else _select_prefix(sd, stripped, prefix, shown)
+
+
+def _descend(obj: Any, prefix: str) -> tuple[str, Any, str | None] | None:
+    """(where, the dict that `prefix`'s leading names lead to, the rest of `prefix`), following
+    nested dicts (or modules) from the top level or from a training checkpoint's weights key
+    (`{"model": {"teacher": ...}}`), or None when its first name leads to none."""
+    starts = [("checkpoint", obj)] + [(f"checkpoint[{k!r}]", obj[k]) for k in STATE_DICT_KEYS + EMA_KEYS
+                                      if isinstance(obj, Mapping) and isinstance(obj.get(k), Mapping)]
+    for where, node in starts:
+        found = _descend_from(node, prefix, where)
+        if found is not None:
+            return found
+    return None
+
+
+def _descend_from(node: Any, prefix: str, where: str) -> tuple[str, Any, str | None] | None:
+    parts, taken = prefix.strip(".").split("."), 0
+    while taken < len(parts) and isinstance(node, Mapping) and isinstance(node.get(parts[taken]), (Mapping, torch.nn.Module)):
+        node = _as_state_dict(node[parts[taken]])
+        where += f"[{parts[taken]!r}]"
+        taken += 1
+    if not taken:
+        return None
+    return where, node, ".".join(parts[taken:]) or None
 
 
 def _select_prefix(raw: dict[str, torch.Tensor], stripped: dict[str, torch.Tensor], prefix: str,
@@ -631,6 +669,11 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         hint = (
             f"; it holds EMA weights under {ema_found[0]!r}: pass ema=True (CLI --ema) to use them"
         )
+    else:
+        holders = [k for k in keys if isinstance(k, str) and _is_weights(obj[k]) and _holds_tensors(obj[k])]
+        if holders:  # DINO's {"teacher": ..., "student": ...}: which one is the user's to say
+            hint = (f"; it holds tensors under {_short_list(holders, 4)}: select one with prefix='{holders[0]}.' "
+                    f"(CLI --prefix {holders[0]}.)")
     raise CheckpointError(
         f"checkpoint '{shown}' has no recognisable state dict: found top-level keys "
         f"{shown_keys}, looked for a dict of tensors or one of the keys {list(STATE_DICT_KEYS)}"
@@ -688,9 +731,11 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
                 f"has a {type(key).__name__} key {key!r}" if not isinstance(key, str)
                 else f"maps {key!r} to {_a(type(value).__name__)}{holding}, not a tensor"
             )
+            nested = (f"; to port the weights under {key!r}, select them with prefix='{key}.' (CLI --prefix {key}.)"
+                      if isinstance(key, str) and holding else "")
             raise CheckpointError(
                 f"checkpoint '{shown}': {where} {problem}; a state dict maps parameter names "
-                "to tensors; re-save it with torch.save(model.state_dict(), path)"
+                f"to tensors; re-save it with torch.save(model.state_dict(), path){nested}"
             )
         # Parameters (trusted loads) become plain tensors; map_location already put them on CPU.
         out[key] = value.detach() if value.requires_grad else value
