@@ -1,7 +1,10 @@
-"""Reference objects shared by tests (cached per test process)."""
+"""Reference objects and fixtures' building blocks shared by tests (cached per test process)."""
 import functools
+import os
 
+import numpy as np
 import torch_compat
+from PIL import Image
 
 ALL_ARCHS = (
     "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
@@ -13,3 +16,11 @@ ALL_ARCHS = (
 def reference(arch: str, num_classes: int = 10):
     """A calibrated torchvision model (eval mode). Small heads keep the big models cheap."""
     return torch_compat.reference_model(arch, num_classes=num_classes, image_size=64)
+
+
+def write_images(folder, n: int, start: int = 0, size: tuple[int, int] = (20, 24)) -> None:
+    """`n` random RGB PNGs named `{start}.png`, ... in `folder` (created), each seeded by its name."""
+    os.makedirs(folder, exist_ok=True)
+    rng = np.random.default_rng(start)
+    for i in range(start, start + n):
+        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))

@@ -14,15 +14,13 @@ from torchvision.datasets.folder import pil_loader
 
 from jaxport._errors import ConfigError
 from jaxport.train import _data
+from tests.helpers import write_images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _images(folder, n, start=0, size=(10, 12)):
-    os.makedirs(folder, exist_ok=True)
-    rng = np.random.default_rng(start)
-    for i in range(start, start + n):
-        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))
+    write_images(folder, n, start, size)
 
 
 def _quiet(fn, *args, **kwargs):

@@ -14,20 +14,15 @@ from PIL import Image
 
 from jaxport._errors import CheckpointError, ConfigError
 from jaxport.train import TrainConfig, _data, train
+from tests.helpers import write_images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _images(folder, n, start=0, size=(20, 24)):
-    os.makedirs(folder, exist_ok=True)
-    rng = np.random.default_rng(start)
-    for i in range(start, start + n):
-        Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))
-
 
 def _folder(root, classes=("a", "b"), per_class=10):
     for c in classes:
-        _images(root / c, per_class)
+        write_images(root / c, per_class)
     return root
 
 
@@ -121,7 +116,7 @@ def test_symbolic_links_never_repeat_an_image(tmp_path):
     _folder(split / "train", per_class=3)
     os.makedirs(split / "val")
     for c in "ab":
-        _images(split / "val" / c, 1, start=100)
+        write_images(split / "val" / c, 1, start=100)
         os.symlink(split / "train" / c / "0.png", split / "val" / c / "x.png")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -204,6 +199,6 @@ def test_a_batch_larger_than_the_training_set_names_one_that_fits(tmp_path):
     with pytest.raises(ConfigError, match=r"`--batch-size` \(=4\) is larger than the training set \(2 images\); a "
                                           r"step needs at least one image per device \(4\): add training images"):
         train(_cfg(tmp_path / "w", data, devices=4))
-    _images(data / "train" / "a", 3, start=10)  # 5 images
+    write_images(data / "train" / "a", 3, start=10)  # 5 images
     with pytest.raises(ConfigError, match=r"\(5 images\); use at most 4 \(a multiple of the 4 devices\)"):
         train(_cfg(tmp_path / "w", data, devices=4, batch_size=8))
