@@ -141,7 +141,7 @@ def test_shard_batch_that_does_not_split_names_the_array_and_the_fix():
     mesh = _step.make_mesh()
     n = mesh.devices.size
     assert [a.shape for a in _step.shard_batch(mesh, np.zeros((n, 2)), np.zeros(n))] == [(n, 2), (n,)]
-    with pytest.raises(ConfigError, match=rf"shard_batch: array 1 \(shape \({n + 2},\)\) holds {n + 2} examples, "
-                                          rf"which do not split evenly over this process's {n} device\(s\); "
-                                          rf"pass {2 * n} or {n}"):
+    with pytest.raises(ConfigError, match=rf"shard_batch: array 1's examples \(shape \({n + 2},\), this process\)` "
+                                          rf"\(={n + 2}\) must be divisible by the number of devices \(={n}\); "
+                                          rf"use {2 * n} or {n}"):
         _step.shard_batch(mesh, np.zeros((n, 2)), np.zeros(n + 2))

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._args import is_int, is_real
+from .._args import finite, is_int, is_real
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, save_variables
 from ..models import ARCHS, build, layer4_side
@@ -104,9 +104,7 @@ def _validate(cfg: TrainConfig) -> None:
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
     for name in ("momentum", "weight_decay"):
-        value = getattr(cfg, name)
-        if not (is_real(value) and math.isfinite(value) and value >= 0):
-            raise ConfigError(f"`--{name.replace('_', '-')}` (={_shown(value)}) must be a finite number >= 0")
+        finite("--" + name.replace("_", "-"), getattr(cfg, name), minimum=0)
     if cfg.batch_size != "auto" and (not is_int(cfg.batch_size) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
     for name in ("sync_bn", "trusted", "resume"):

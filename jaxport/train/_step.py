@@ -95,10 +95,7 @@ def shard_batch(mesh: Mesh, *local: np.ndarray) -> tuple[jax.Array, ...]:
     for i, x in enumerate(local):
         if x.ndim == 0:
             raise ConfigError(f"array {i} passed to shard_batch is a scalar; pass batches with the examples on axis 0")
-        if len(x) % here:
-            down, up = len(x) // here * here, (len(x) // here + 1) * here
-            raise ConfigError(f"shard_batch: array {i} (shape {x.shape}) holds {len(x)} examples, which do not split "
-                              f"evenly over this process's {here} device(s); pass {up}" + (f" or {down}" if down else ""))
+        check_batch_size(len(x), here, name=f"shard_batch: array {i}'s examples (shape {x.shape}, this process)")
     return tuple(jax.make_array_from_process_local_data(sharding, x) for x in local)
 
 
