@@ -14,9 +14,14 @@ only when they start with torch's magic number. torch's weights-only unpickler r
 and up, so a ``pickle_protocol=1`` file needs ``trusted=True``, and torch cannot read its own
 ``pickle_protocol=0`` files back at all.
 
-torch files are read with ``weights_only=True`` (only tensors, containers, numbers, strings and
-`argparse.Namespace` may be built) and ``map_location="cpu"``, so a checkpoint written from CUDA
-tensors loads on a CPU-only machine. ``trusted=True`` switches to a full unpickle, which can run
+torch files are read with ``weights_only=True`` (only tensors, containers, numbers, strings,
+`argparse.Namespace`, and numpy's bool, integer, float and complex scalars and arrays may be
+built) and ``map_location="cpu"``, so a checkpoint written from CUDA tensors loads on a CPU-only
+machine. numpy values, which training scripts save beside the weights (``"epoch": np.int64(3)``,
+``"best_acc1": np.float64(76.1)``), are rebuilt by checked stand-ins for numpy's own unpickling
+functions, never by numpy's, and only from their raw bytes: a numpy value of any other dtype
+(an object array holds Python objects, whose unpickling can run code) is refused like any other
+global outside the allowed set. ``trusted=True`` switches to a full unpickle, which can run
 arbitrary code from the file: use it only for files whose source you trust.
 
 Training scripts wrap the weights; `load_state_dict` unwraps them deterministically:
@@ -36,7 +41,9 @@ from __future__ import annotations
 import _compat_pickle
 import argparse
 import contextlib
+import inspect
 import json
+import math
 import os
 import pickle
 import pickletools
@@ -48,6 +55,7 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from jaxport._errors import CheckpointError
@@ -57,9 +65,6 @@ STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
 EMA_KEYS = ("model_ema", "ema", "state_dict_ema", "model_ema_state_dict", "ema_state_dict")
 # Prefixes wrappers add to every key; each is stripped only when all keys carry it.
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.")
-# Globals allowed beyond torch's weights-only set, only for the duration of one load.
-_EXTRA_SAFE_GLOBALS = [argparse.Namespace]
-
 _MIN_TORCH = (2, 6)  # CVE-2025-32434: weights_only=True could be bypassed to run code
 _SAFE_TORCH = (2, 10)  # further weights-only unpickler bypasses fixed
 _TRUSTED_HINT = (
@@ -147,7 +152,8 @@ def load_state_dict(
     Raises:
       CheckpointError: the path is missing, a directory, a pipe, empty, truncated, corrupt or not a
         checkpoint (e.g. a tar or zip archive holding one: extract it); its pickle needs
-        globals outside the weights-only set, or uses pickle protocol 0/1 (nothing was run);
+        globals outside the weights-only set, holds numpy values other than bool, integer, float
+        and complex scalars and arrays, or uses pickle protocol 0/1 (nothing was run);
         it holds no recognisable state dict; no key is under `prefix`; or torch is too old
         for untrusted loading.
 
@@ -421,6 +427,140 @@ def _describe(head: bytes) -> str:
     return f"unknown binary data starting with {head[:8]!r}"
 
 
+# --- numpy values in training metadata -------------------------------------------------------
+#
+# numpy pickles `np.float64(76.1)` as `scalar(dtype("f8", False, True), b"...")`, the dtype's byte
+# order set by a BUILD of `(3, "<", None, None, None, -1, -1, 0)`, and an array as
+# `_reconstruct(ndarray, (0,), b"b")` followed by a BUILD of `(1, shape, dtype, fortran, raw bytes)`.
+# Allow-listing numpy's own functions and classes (what torch's docs suggest) would hand that BUILD
+# state to numpy's `dtype.__setstate__`, which takes item flags (`NPY_ITEM_REFCOUNT`: "the items are
+# PyObject pointers"), fields and sizes from the file, and with `dtype("f8", False, False)` applies
+# them to numpy's shared float64 dtype: raw file bytes would then be used as object pointers. The
+# stand-ins below take only a dtype's kind, size and byte order from the file and make the dtype
+# themselves; the only numpy code they run is making numeric dtypes and copying bytes into arrays.
+
+def _refuse_numpy(what: str) -> pickle.UnpicklingError:
+    return pickle.UnpicklingError(f"numpy {what}")  # worded by `_refusal_message`
+
+
+class _NumpyDType:
+    """Stands in for `numpy.dtype` while unpickling: `dtype("f8", align, copy)`, then the BUILD
+    state's byte order. `.dtype` is the numpy dtype, made here from its kind, size and byte order."""
+
+    def __init__(self, spec: Any, align: Any = False, copy: Any = True):
+        del align, copy  # the dtype is always made anew, never shared with or aligned like numpy's
+        if not (isinstance(spec, str) and re.fullmatch(r"[biufc]\d{1,2}", spec)):
+            holds_objects = isinstance(spec, str) and spec.startswith("O")
+            objects = " (its items are Python objects, whose unpickling can run code)" if holds_objects else ""
+            raise _refuse_numpy(f"dtype {spec!r}{objects}")
+        try:
+            self.dtype = np.dtype(spec)
+        except TypeError as e:  # a size numpy has no type for, e.g. "f3"
+            raise _refuse_numpy(f"dtype {spec!r} does not exist") from e
+        self._spec = spec
+
+    def __setstate__(self, state: Any) -> None:
+        # What numpy writes for a number type: (3, byteorder, subarray, names, fields, elsize,
+        # alignment, flags), plus metadata as a 9th item in version 4. elsize, alignment and flags
+        # describe the dtype the spec already fixes, so they are not read.
+        ok = (type(state) is tuple and len(state) in (8, 9) and type(state[0]) is int and state[0] == len(state) - 5
+              and isinstance(state[1], str) and state[1] in ("<", ">", "|", "=")
+              and all(item is None for item in state[2:5] + state[8:]))
+        if not ok:
+            raise _refuse_numpy(f"dtype {self._spec!r} with a pickled state numpy does not write for number types "
+                                f"(subarray, fields or metadata): {_short_repr(state)}")
+        self.dtype = np.dtype(self._spec).newbyteorder(state[1]) if state[1] in "<>" else np.dtype(self._spec)
+
+    def __repr__(self) -> str:
+        return repr(self.dtype)
+
+
+def _numpy_dtype(value: Any) -> np.dtype:
+    if not isinstance(value, _NumpyDType):  # e.g. a dtype given as a string, or a tensor
+        raise _refuse_numpy(f"value whose dtype is {_short_repr(value)}, not a pickled numpy dtype")
+    return value.dtype
+
+
+def _numpy_scalar(dtype: Any, data: Any) -> Any:
+    """Stands in for `numpy.core.multiarray.scalar` (`numpy._core` in numpy 2)."""
+    dtype = _numpy_dtype(dtype)
+    if not (isinstance(data, bytes) and len(data) == dtype.itemsize):
+        raise _refuse_numpy(f"{dtype} scalar pickled as {_short_repr(data)}, not as its {dtype.itemsize} bytes")
+    return np.frombuffer(data, dtype)[0]
+
+
+class _NumpyArray(np.ndarray):
+    """Stands in for `numpy.ndarray` while unpickling; a BUILD fills it from its checked state."""
+
+    def __new__(cls, *args, **kwargs):  # what a pickle could call it with; numpy itself never does
+        raise _refuse_numpy("ndarray built by calling numpy.ndarray, which numpy's pickles do not do")
+
+    def __setstate__(self, state: Any) -> None:
+        if getattr(self, "_filled", False):
+            # A second BUILD would free the data that a tensor made from this array in between
+            # (torch's allowed `_rebuild_device_tensor_from_numpy`) still points to.
+            raise _refuse_numpy("array whose pickled state is set twice, which numpy's pickles do not do")
+        if not (type(state) is tuple and len(state) == 5 and type(state[0]) is int and state[0] == 1):
+            raise _refuse_numpy(f"array with a pickled state numpy does not write: {_short_repr(state)}")
+        _, shape, dtype, fortran, data = state
+        dtype = _numpy_dtype(dtype)
+        if not (type(shape) is tuple and all(type(n) is int and n >= 0 for n in shape)):
+            raise _refuse_numpy(f"{dtype} array with the shape {_short_repr(shape)}")
+        size = math.prod(shape) * dtype.itemsize
+        if not (isinstance(data, bytes) and len(data) == size and isinstance(fortran, bool)):
+            raise _refuse_numpy(f"{dtype} array of shape {shape} pickled as {_short_repr(data)}, not as its "
+                                f"{size} bytes")
+        super().__setstate__((1, shape, dtype, fortran, data))
+        self._filled = True
+
+
+# Warnings and errors name a value's type: they say what the file holds, not the stand-in.
+_NumpyDType.__name__, _NumpyArray.__name__ = "dtype", "ndarray"
+
+
+def _numpy_reconstruct(cls: Any, shape: Any, typecode: Any) -> _NumpyArray:
+    """Stands in for `numpy.core.multiarray._reconstruct` (`numpy._core` in numpy 2): the empty
+    array that the BUILD after it fills."""
+    if not (cls is _NumpyArray and type(shape) is tuple and shape == (0,) and type(typecode) is bytes
+            and typecode == b"b"):
+        raise _refuse_numpy(f"array rebuilt with arguments numpy does not write: {_short_repr((cls, shape, typecode))}")
+    return np.ndarray.__new__(_NumpyArray, (0,), np.int8)
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """Stands in for `bytes`, which pickle protocol 2 calls with no arguments for ``b""`` (the data of
+    an empty numpy array); other bytes are pickled as `_codecs.encode(text, "latin1")`."""
+    if args:
+        raise pickle.UnpicklingError(f"bytes{_short_repr(args)} is not how pickle writes bytes")
+    return b""
+
+
+def _short_repr(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _named_globals_supported() -> bool:
+    """Whether `torch.serialization.safe_globals` takes `(object, "module.name")` pairs, which the
+    stand-ins need to answer to numpy's names (a torch without them keeps refusing numpy values)."""
+    parameter = inspect.signature(torch.serialization.safe_globals).parameters.get("safe_globals")
+    return parameter is not None and "tuple" in str(parameter.annotation).lower()
+
+
+# The names numpy 1.x (`numpy.core`) and 2.x (`numpy._core`) pickles use, each with its stand-in.
+# Not allowed: the `numpy.dtypes.*DType` classes (pickled only for a dtype class itself, not for a
+# value) and every other numpy name.
+_NUMPY_GLOBALS = [
+    (_empty_bytes, "builtins.bytes"),
+    (_NumpyDType, "numpy.dtype"),
+    (_NumpyArray, "numpy.ndarray"),
+    *[(_numpy_scalar, f"numpy.{core}.multiarray.scalar") for core in ("core", "_core")],
+    *[(_numpy_reconstruct, f"numpy.{core}.multiarray._reconstruct") for core in ("core", "_core")],
+]
+# Globals allowed beyond torch's weights-only set, only for the duration of one load.
+_EXTRA_SAFE_GLOBALS = [argparse.Namespace, *(_NUMPY_GLOBALS if _named_globals_supported() else [])]
+
+
 # --- torch.save files -----------------------------------------------------------------------
 
 def _load_torch(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
@@ -486,6 +626,9 @@ def _refusal_message(shown: str, torch_message: str, protocol: int | None = None
     if found is not None:
         global_name = _py3_name(found.group(1))
         what = f"imports `{global_name}`, which is outside the weights-only allowed set"
+    elif inner.startswith("numpy "):  # from the numpy stand-ins
+        what = (f"holds a {inner}, which is outside the weights-only allowed set (numpy's bool, integer, float and "
+                "complex scalars and arrays)")
     elif protocol is not None and protocol < 2 and "Unsupported operand" in inner:
         if protocol == 0:
             return _old_pickle_message(shown, 0, torch_magic=True)
