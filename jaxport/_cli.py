@@ -209,9 +209,9 @@ def _cmd_port(args) -> int:
             ckpt = Path(args.checkpoint)
             print(f"checkpoint: {ckpt}")
             if ckpt.is_dir():  # said as such, before the output checks below take `.` for a training workdir
-                from torch_compat._load import _sniff
+                from torch_compat._load import sniff
 
-                _sniff(str(ckpt))
+                sniff(str(ckpt))
         # Decided before any work, so a refused output costs nothing.
         out = _out_path(args.out) if args.out else _default_port_output(ckpt, args.force)
         _check_output(out, ckpt, "checkpoint")
@@ -260,7 +260,7 @@ def _cmd_verify(args) -> int:
     variables, arch = None, None if args.arch == "auto" else args.arch
     differences = []
     if args.variables:
-        from torch_compat._convert import _variables_look_like
+        from torch_compat._convert import variables_look_like
         from torch_compat._crosscheck import port_differences
 
         from ._io import flatten
@@ -269,7 +269,7 @@ def _cmd_verify(args) -> int:
         held = arch or torch_compat.detect_arch(state_dict)
         # The shapes say what the variables are; the recorded name only where shapes cannot
         # (a mislabelled file was called what its label said, and --arch could not override it).
-        looks = _variables_look_like(flatten(variables)) or read_metadata(args.variables).get("arch")
+        looks = variables_look_like(flatten(variables)) or read_metadata(args.variables).get("arch")
         if looks and looks != held:
             other = f"--arch is {held}" if arch else f"'{args.checkpoint}' is a {held} checkpoint"
             raise ConfigError(f"'{args.variables}' holds {looks} variables but {other}: verify compares a "

@@ -404,7 +404,7 @@ def _check_flat_variables(flat: Mapping[str, Any], arch: str) -> list[Entry]:
     _spec(arch)
     shapes = {k: tuple(np.shape(v)) for k, v in flat.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "params/fc/kernel", 1)))
-    _check(arch, entries, shapes, "flax_key", lambda: _variables_look_like(flat), "the Flax variables")
+    _check(arch, entries, shapes, "flax_key", lambda: variables_look_like(flat), "the Flax variables")
     bad = []
     for e in entries:
         if e.flax_key not in flat:
@@ -427,7 +427,7 @@ class _Shaped:
     shape: tuple[int, ...]
 
 
-def _variables_look_like(flat: Mapping[str, Any]) -> str | None:
+def variables_look_like(flat: Mapping[str, Any]) -> str | None:
     """The architecture Flax variables belong to, from their kernels' torch names and shapes."""
     kernels = {}
     for key, value in flat.items():

@@ -168,7 +168,7 @@ def load_state_dict(
     shown = os.fspath(path)
     if prefix is not None and (not isinstance(prefix, str) or not prefix.strip(".")):
         raise CheckpointError(f"`prefix` (={prefix!r}) must name a submodule, e.g. 'encoder_q.' or 'backbone.body.'")
-    kind = _sniff(shown)
+    kind = sniff(shown)
     if kind == "safetensors":
         obj: Any = _load_safetensors(shown)
         if any("/" in k for k in obj):  # jaxport's `collection/path/leaf` keys: a port, not a state dict
@@ -260,7 +260,10 @@ _NOT_CHECKPOINT_MAGIC = (
 )
 
 
-def _sniff(shown: str) -> str:
+def sniff(shown: str) -> str:
+    """The kind of checkpoint at `shown` ("zip", "pickle", "safetensors", "tar", ...), read from its
+    first bytes; a CheckpointError naming the path for anything that is not one (missing, a
+    directory, a pipe, empty, another format). The CLI calls it to check a path before any work."""
     if not os.path.exists(shown):
         raise CheckpointError(f"checkpoint '{shown}' does not exist; check the path")
     if os.path.isdir(shown):
