@@ -15,13 +15,15 @@ METHODS = ("auto", "xla", "host")
 def to_array(x, name: str, *, exact: bool = False) -> jax.Array:
     """`x` as a jax array of numbers or bools; anything else is one error naming `name`.
 
-    `exact`: `x`'s values decide a discrete result (an order), so a 64-bit input that jax would
-    silently narrow (64-bit mode off: int64 wraps to int32, float64 rounds to float32, making
-    close values ties) is refused when the narrowing changes any value, rather than ranked
-    differently from torch on the same input.
+    With jax's 64-bit mode off, jax silently wraps int64 / uint64 to 32 bits (2**40 becomes 0),
+    which makes any result wrong: such an input is refused when the wrap changes a value.
+    `exact`: `x`'s values decide a discrete result (an order), so float64 is refused too when
+    rounding it to float32 changes a value (close values would become ties); elsewhere that
+    rounding is only rounding, as everywhere in jax.
     """
-    if exact and not isinstance(x, jax.Array) and not jax.config.jax_enable_x64:
-        _check_narrowing(x, name)
+    # (Python ints that 32 bits cannot hold need no check: jnp.asarray refuses them, below.)
+    if not isinstance(x, jax.Array) and not jax.config.jax_enable_x64 and (exact or hasattr(x, "dtype")):
+        _check_narrowing(x, name, floats=exact)
     try:
         return jnp.asarray(x)
     except OverflowError:  # Python ints beyond 64 bits, or beyond 32 bits with x64 off
@@ -36,13 +38,13 @@ def to_array(x, name: str, *, exact: bool = False) -> jax.Array:
 _NARROW = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32, np.dtype(np.float64): np.float32}
 
 
-def _check_narrowing(x, name: str) -> None:
+def _check_narrowing(x, name: str, floats: bool = True) -> None:
     try:
         host = np.asarray(x)
     except Exception:  # noqa: BLE001 - not array-like: jnp.asarray names the problem
         return
     narrow = _NARROW.get(host.dtype)
-    if narrow is None or host.size == 0:
+    if narrow is None or host.size == 0 or (host.dtype.kind == "f" and not floats):
         return
     with np.errstate(all="ignore"):
         back = host.astype(narrow).astype(host.dtype)

@@ -38,9 +38,11 @@ def logsumexp(
 
     Edges: a slice that is all -inf, or entirely masked out by `where`, gives -inf with a zero
     (finite) gradient, where torch and ``jax.nn.logsumexp`` give a NaN gradient; a +inf entry
-    gives +inf; NaN propagates; inputs of 1e30 do not overflow; an empty axis gives -inf. With
-    `b` and ``return_sign=False`` a negative sum gives NaN, as in scipy. float16 and bfloat16
-    are accumulated in float32 and rounded once at the end.
+    gives +inf; NaN propagates; inputs of 1e30 do not overflow, and their gradient is the
+    softmax (torch's, ``exp(a - out)``, gives 1 to each of two tied 1e30 entries: ``out``
+    rounds to 1e30); an empty axis gives -inf. With `b` and ``return_sign=False`` a negative
+    sum gives NaN, as in scipy. float16 and bfloat16 are accumulated in float32 and rounded
+    once at the end.
 
     With `axis_name` (inside ``jax.shard_map``) the reduction also spans that mesh axis: each
     device reduces its shard, then one ``pmax`` and one ``psum`` combine them, so a logsumexp
@@ -52,7 +54,10 @@ def logsumexp(
       a: the array (integers are promoted to the default float type).
       axis: an int, a tuple of ints, or None for all axes.
       b: optional scale factors broadcastable to `a`; may be negative (see `return_sign`).
-        Entries with ``b == 0`` are left out, as in scipy (so they get no gradient either).
+        Entries with ``b == 0`` are left out, as in ``jax.nn.logsumexp`` (so they get no
+        gradient either); scipy leaves them out too, except that it gives NaN when such an
+        entry's `a` is inf or NaN and the rest of the slice sums to 0. Entries masked out by
+        `where` are left out whatever their `b` (NaN or inf included).
       where: optional bool mask broadcastable to `a`; only True entries are summed.
       keepdims: keep the reduced axes with size 1.
       return_sign: also return the sign of the sum (``+1``, ``-1`` or 0) and give
@@ -63,10 +68,11 @@ def logsumexp(
       The result in `a`'s (floating) dtype; a pair ``(result, sign)`` if `return_sign`.
 
     Raises:
-      ConfigError: `axis` is out of range or repeats, `a` or `b` is complex or not numbers,
-        `where` is not bool, `b` / `where` do not broadcast to `a`, `keepdims` / `return_sign`
-        are not bools known when tracing, or `axis_name` is not a name (an int), or names no
-        axis of the ``jax.shard_map`` it is used in (or is used outside one).
+      ConfigError: `axis` is out of range or repeats, `a` or `b` is complex or not numbers, or
+        holds 64-bit integers that jax's default 32-bit mode would wrap, `where` is not bool,
+        `b` / `where` do not broadcast to `a`, `keepdims` / `return_sign` are not bools known
+        when tracing, or `axis_name` is not a name (an int), or names no axis of the
+        ``jax.shard_map`` it is used in (or is used outside one).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -100,7 +106,10 @@ def logsumexp(
             raise ConfigError(f"`where` has dtype {where.dtype}; pass a bool mask, e.g. where=mask > 0")
         where = _broadcast(where, a.shape, "where")
     if b is not None:
-        # As in scipy, entries with b == 0 are ignored, even where `a` is inf or NaN.
+        if where is not None:
+            # A masked-out b of NaN or inf would still reach the sum as exp(-inf) * b = NaN.
+            b = jnp.where(where, b, jnp.zeros((), work))
+        # As in jax.nn.logsumexp, entries with b == 0 are ignored, even where `a` is inf or NaN.
         where = b != 0 if where is None else where & (b != 0)
     if where is not None:
         # Masked entries become -inf (not summed with `where=`), so their gradient is exactly 0

@@ -75,10 +75,20 @@ def rank_keys(key: jax.Array, method: str = "auto") -> jax.Array:
 
 
 def _rank_xla(key: jax.Array) -> jax.Array:
-    iota = lax.broadcasted_iota(jnp.int32, key.shape, key.ndim - 1)
-    _, perm = lax.sort((key, iota), dimension=key.ndim - 1, is_stable=True, num_keys=1)
-    # The inverse permutation by scatter: rank[perm[j]] = j.
-    return jnp.put_along_axis(jnp.zeros_like(iota), perm, iota, axis=-1, inplace=False)
+    nd = key.ndim
+    # Built from `key` so that it is sharded as `key` is: under `jax.set_mesh` with Explicit axes
+    # a replicated iota failed ("Arguments to sort must have equal shardings").
+    iota = jnp.zeros_like(key, jnp.int32) + lax.iota(jnp.int32, key.shape[-1])
+    _, perm = lax.sort((key, iota), dimension=nd - 1, is_stable=True, num_keys=1)
+    # The inverse permutation by scatter, rank[..., perm[..., j]] = j, with the leading axes as
+    # batch dimensions. (`jnp.put_along_axis` built the same scatter from explicit row indices,
+    # which outside `jit` failed on arrays sharded over an Explicit mesh: "Resource axis: d of
+    # P('d', None) is not found in mesh: ()".)
+    dnums = lax.ScatterDimensionNumbers(
+        update_window_dims=(), inserted_window_dims=(nd - 1,), scatter_dims_to_operand_dims=(nd - 1,),
+        operand_batching_dims=tuple(range(nd - 1)), scatter_indices_batching_dims=tuple(range(nd - 1)))
+    return lax.scatter(jnp.zeros_like(iota), perm[..., None], iota, dnums, indices_are_sorted=False,
+                       unique_indices=True, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
 
 
 def _rank_host(key: jax.Array) -> jax.Array:

@@ -37,8 +37,9 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: 
 
     Args:
       x: floating, integer or bool array.
-      k: an int, or an integer array with one k per slice, broadcastable to
-        ``x.shape`` without `axis` (for a 2-D `x` and ``axis=-1``: shape ``(rows,)``).
+      k: an int, or an integer array (jax, numpy, a list, or anything numpy converts, such as
+        a torch tensor) with one k per slice, broadcastable to ``x.shape`` without `axis` (for
+        a 2-D `x` and ``axis=-1``: shape ``(rows,)``, not torch's ``(rows, 1)``).
       axis: the axis along which to select.
       largest: select the largest elements; False selects the smallest.
       method: "auto" (the host kernel on the CPU backend, the XLA bisection elsewhere) or "xla"
@@ -70,7 +71,7 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: 
         x = x[None]
         return topk_mask(x, k, 0, largest, method=method)[0]
     batch_shape = x.shape[:axis] + x.shape[axis + 1 :]
-    kk = _per_slice_k(k, batch_shape, x.shape[axis])
+    kk = _per_slice_k(k, batch_shape, x.shape[axis], axis)
     x, restore = gather_axis(x, axis)
     key = jnp.moveaxis(order_key(x, descending=largest), axis, -1)
     return restore(jnp.moveaxis(select_keys(key, kk, method), -1, axis))
@@ -108,9 +109,10 @@ def hard_negative_mask(
 
     Raises:
       ConfigError: `loss` is not floating, `positive` is not a bool or integer mask that
-        broadcasts to it, `neg_pos_ratio` is not a non-negative int known when tracing, `axis`
-        is out of range, `method` is unknown, or `loss` is 64-bit with jax's 64-bit mode off and
-        narrowing it would change a value.
+        broadcasts to it (or holds int64 labels that jax would wrap with 64-bit mode off),
+        `neg_pos_ratio` is not a non-negative int known when tracing, `axis` is out of range,
+        `method` is unknown, or `loss` is 64-bit with jax's 64-bit mode off and narrowing it
+        would change a value.
 
     Example:
       >>> import jax.numpy as jnp
@@ -174,12 +176,13 @@ def hard_negative_mask(
     return restore(jnp.moveaxis(select_keys(key, k, method), -1, axis))
 
 
-def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
-    if isinstance(k, (list, tuple)):  # one k per slice, written out
+def _per_slice_k(k, batch_shape: tuple[int, ...], n: int, axis: int) -> jax.Array:
+    if isinstance(k, (list, tuple)) or (  # one k per slice, written out, or another library's array
+            not isinstance(k, (jax.Array, np.ndarray, np.generic)) and hasattr(k, "__array__")):
         try:
             k = np.asarray(k)
-        except ValueError:
-            pass  # ragged: refused below
+        except (TypeError, ValueError, RuntimeError):
+            pass  # ragged, or not convertible: refused below
     if isinstance(k, (bool, np.bool_)) or not (
         isinstance(k, (int, np.integer)) or jnp.issubdtype(getattr(k, "dtype", object), jnp.integer)
     ):
@@ -201,9 +204,18 @@ def _per_slice_k(k, batch_shape: tuple[int, ...], n: int) -> jax.Array:
     try:
         k = jnp.broadcast_to(k, batch_shape)
     except ValueError:
+        # torch's `rank < k` takes k with the ranked axis kept (keepdim=True), e.g. (rows, 1).
+        kept = ""
+        if k.ndim == len(batch_shape) + 1 and k.shape[axis] == 1:
+            try:
+                np.broadcast_shapes(k.shape[:axis] + k.shape[axis + 1:], batch_shape)
+                kept = (f"; this k keeps `axis` (={axis}), as torch's `rank < k` needs: drop it, "
+                        f"jnp.squeeze(k, {axis})")
+            except ValueError:
+                pass
         raise ConfigError(
             f"`k` has shape {k.shape}, which does not broadcast to {batch_shape} (the shape of x "
-            f"without `axis`); pass one k per slice"
+            f"without `axis`); pass one k per slice{kept}"
         ) from None
     return jnp.clip(k, 0, n).astype(jnp.int32)
 
@@ -237,7 +249,9 @@ def _select_xla(key: jax.Array, k: jax.Array) -> jax.Array:
     # t ends as the k-th smallest key: the largest t with count(key < t) < k, built bit by bit
     # from the top (a bisection over the key range, one compare-and-count pass per bit; the
     # loop is unrolled, which on CPU avoids a per-iteration cost as large as a pass).
-    t = jnp.zeros(key.shape[:-1], key.dtype)
+    # Sharded as the batch of `key` is (a replicated t broke `jnp.where` under `jax.set_mesh`
+    # with Explicit axes: "select `which` must be scalar or have the same sharding as cases").
+    t = jnp.zeros_like(key[..., 0])
     for bit in range(bits - 1, -1, -1):
         c = t | np.array(1 << bit, key.dtype)
         below = jnp.sum((skey < lax.bitcast_convert_type(c ^ sign, sdt)[..., None]).astype(cdt), axis=-1)
