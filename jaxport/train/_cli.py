@@ -39,7 +39,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and training_curves.png go here")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across devices")
-    p.add_argument("--init", default=None, help="starting weights: torch checkpoint, .safetensors, or a workdir")
+    p.add_argument("--init", default=None,
+                   help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
+                        "finds a checkpoint)")
     p.add_argument("--trusted", action="store_true",
                    help="allow a full unpickle of the --init checkpoint (runs code from the file): only for files you trust")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")

@@ -147,30 +147,50 @@ def _check_workdir(cfg: TrainConfig) -> None:
                           "--resume to continue it, or choose a new directory (nothing was changed)")
 
 
-def _read_metrics(path: str) -> list[dict]:
+def _read_metrics(path: str, torn_ok: bool = False) -> list[dict]:
     """The rows of a `metrics.jsonl`, one JSON object per epoch; blank lines are ignored.
+
+    With `torn_ok`, a last line that is not JSON and has no newline (a run killed while
+    appending it) is dropped: its epoch was not checkpointed, so a resumed run writes it again.
 
     Raises:
       CheckpointError: a line that is not such a row, named by its number.
     """
     rows = []
     with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+        lines = f.readlines()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if torn_ok and n == len(lines) and not line.endswith("\n"):
+                break
+            why = f"not JSON: {e.msg}"
+        else:
+            missing = [k for k in METRIC_KEYS if k not in row] if isinstance(row, dict) else ["an object"]
+            if not missing:
+                rows.append(row)
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                why = f"not JSON: {e.msg}"
-            else:
-                missing = [k for k in METRIC_KEYS if k not in row] if isinstance(row, dict) else ["an object"]
-                if not missing:
-                    rows.append(row)
-                    continue
-                why = f"no {', '.join(missing)}"
-            raise CheckpointError(f"`{path}` line {n} is not a metrics row of `jaxport train` ({why}); repair or "
-                                  "delete that line, then rerun")
+            why = f"no {', '.join(missing)}"
+        raise CheckpointError(f"`{path}` line {n} is not a metrics row of `jaxport train` ({why}); repair or "
+                              "delete that line, then rerun")
     return rows
+
+
+def _append_metrics(path: str, row: dict) -> None:
+    # Appended, not rewritten, so `tail -f` follows a run; a kill mid-line is what `torn_ok` drops.
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def _latest_step(workdir: str) -> int | None:
+    """The step of the latest finished checkpoint in `workdir`, or None, from the directory's
+    listing alone: no manager, whose creation is a barrier every process would have to reach."""
+    import orbax.checkpoint as ocp
+
+    return max(ocp.utils.checkpoint_steps(_checkpoint.checkpoint_dir(workdir)), default=None)
 
 
 def _flags(cfg: TrainConfig) -> dict:
@@ -391,7 +411,10 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
 
     Writes `WORKDIR/checkpoints/<step>` (orbax), `WORKDIR/metrics.jsonl` (one JSON object per
     epoch) and `WORKDIR/training_curves.png`. With `resume`, continues from the latest
-    checkpoint exactly: same step, optimizer state and data order.
+    checkpoint exactly: same step, optimizer state and data order; `init` is then not read (it
+    applies when there is no checkpoint yet). An epoch's row is written before its checkpoint,
+    and a resumed run drops rows past its checkpoint and writes them again: however a run was
+    killed and resumed, metrics.jsonl holds one row per finished epoch, as an uninterrupted run's.
 
     Raises:
       ConfigError: invalid settings (a batch that does not divide the devices, a workdir that
@@ -451,9 +474,16 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     model = build(cfg.arch, num_classes=data.num_classes, bn_axis_name="data" if cfg.sync_bn else None, dtype=dtype)
     fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
     fresh = jax.tree.map(np.asarray, fresh)
-    variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say) if cfg.init else fresh
+    # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
+    # or failing on a file since moved) only to be overwritten.
+    resumed_step = _latest_step(cfg.workdir) if cfg.resume else None
+    if cfg.init and resumed_step is None:
+        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say)
+    else:
+        variables = fresh
     if n_proc > 1:  # what the flags cannot show: each process reads its own copy of --data and --init
         _distributed.check_same_settings({
+            "--resume (latest checkpoint step)": resumed_step,
             "--data (classes)": data.classes,
             "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
             "--data (files)": data.fingerprint() if data.fingerprint else "",
@@ -515,15 +545,24 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
             _check_optimizer_state(saved.get("settings"), meta["settings"], cfg.workdir)
             state, saved = _checkpoint.restore(mngr, state)
             meta["epoch_sums"] = saved["epoch_sums"]
-            say(f"resuming from step {int(state.step)}{_changes(saved.get('settings'), meta['settings'], batch)}")
+            unused = (f"; --init {cfg.init} is not used (the checkpoint in {_checkpoint.checkpoint_dir(cfg.workdir)} "
+                      "holds every weight)" if cfg.init else "")
+            changes = _changes(saved.get("settings"), meta["settings"], batch)
+            say(f"resuming from step {int(state.step)}{changes}{unused}")
         elif cfg.resume:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)
-        if lead and os.path.exists(metrics_path):  # drop epochs the resumed run will redo
+        if lead and os.path.exists(metrics_path):
+            # Rows past the checkpoint (a run killed between an epoch's row and its checkpoint)
+            # are dropped: this run trains those epochs again and writes their rows once more.
             done = start // steps_per_epoch
-            rows = [r for r in _read_metrics(metrics_path) if r["epoch"] < done]
+            rows = [r for r in _read_metrics(metrics_path, torn_ok=True) if r["epoch"] < done]
             with atomic_path(metrics_path) as tmp, open(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
+            missing = sorted(set(range(done)) - {r["epoch"] for r in rows})
+            if missing:  # written by a jaxport that checkpointed an epoch before writing its row
+                say(f"--resume: {metrics_path} holds no row for epoch(s) {', '.join(str(e + 1) for e in missing)}; "
+                    "they cannot be recomputed, and the plot will miss them")
 
         last_step = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps,
                                                                                     steps_per_epoch * cfg.epochs)
@@ -603,10 +642,15 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
                        "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
                 row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
                 meta["epoch_sums"] = [0.0, 0.0, 0.0]
-                _save_finite(mngr, gstep, state, meta, cfg)
+                # The row before the checkpoint: a run killed between the two resumes before this
+                # epoch and writes its row again (the stale one is dropped). The other order resumed
+                # after the epoch and never wrote its row. Weights that are no longer finite get
+                # neither (DivergedError).
+                _check_weights_finite(state, gstep, mngr, cfg)
                 if lead:
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    _append_metrics(metrics_path, row)
+                _checkpoint.save(mngr, gstep, state, meta)
+                if lead:
                     say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
                         f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
                 result = row
@@ -663,11 +707,17 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
-def _save_finite(mngr, gstep: int, state, meta: dict, cfg: TrainConfig) -> None:
-    """Save a checkpoint, unless the weights are no longer finite (a finite loss can still be
-    followed by an update that overflows): never rotate good checkpoints out for broken ones."""
+def _check_weights_finite(state, gstep: int, mngr, cfg: TrainConfig) -> None:
+    """Stop when the weights are no longer finite (a finite loss can still be followed by an
+    update that overflows)."""
     if not bool(_all_finite(state.variables)):
         raise _diverged("the weights became non-finite", gstep, mngr, cfg)
+
+
+def _save_finite(mngr, gstep: int, state, meta: dict, cfg: TrainConfig) -> None:
+    """Save a checkpoint, unless the weights are no longer finite: never rotate good
+    checkpoints out for broken ones."""
+    _check_weights_finite(state, gstep, mngr, cfg)
     _checkpoint.save(mngr, gstep, state, meta)
 
 

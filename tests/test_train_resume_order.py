@@ -1,0 +1,207 @@
+"""What a run killed at an epoch's end leaves behind, and what `--resume` makes of it.
+
+An epoch ends with three writes: its metrics row, its checkpoint, and (at the run's end) the
+final variables and plot. A kill between any two, then `--resume`, must end with what an
+uninterrupted run writes: one row per finished epoch, equal to its rows (timings aside), and
+the same weights. Kills are simulated in-process and deterministically: `_checkpoint.save` is
+wrapped to raise a BaseException (as SIGKILL, nothing in jaxport handles it) just before or
+just after the epoch-end checkpoint. Runs are ResNet-18 at 16 px on 16 training images, batch
+4: 4 steps per epoch, 3 epochs, a checkpoint every 3 steps.
+"""
+import json
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from jaxport._errors import CheckpointError, DivergedError
+from jaxport.train import TrainConfig, load_workdir, train
+from jaxport.train import _checkpoint, _loop
+from tests.helpers import write_images
+
+TIMINGS = ("seconds", "images_per_s")  # the only fields of a row that may differ between runs
+EPOCH_2_END = 8  # the step of the second epoch's row and checkpoint
+
+
+class _Killed(BaseException):
+    """Stands for SIGKILL: no `except Exception` in the loop sees it."""
+
+
+def _cfg(workdir, data, **kw):
+    return TrainConfig(**{**dict(workdir=str(workdir), data=str(data), image_size=16, batch_size=4, epochs=3,
+                                 checkpoint_every=3, workers=0, progress=False, devices=1), **kw})
+
+
+def _rows(workdir):
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
+
+
+def _steps(workdir):
+    return sorted(int(p) for p in os.listdir(os.path.join(workdir, "checkpoints")) if p.isdigit())
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    for c in ("a", "b"):
+        write_images(root / c, 10)  # 16 train / 4 val
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data):
+    """An uninterrupted run: its workdir, metrics rows (timings left out) and final weights."""
+    work = tmp_path_factory.mktemp("reference")
+    train(_cfg(work, data))
+    rows = _rows(work)
+    assert [r["epoch"] for r in rows] == [0, 1, 2] and rows[-1]["step"] == 12
+    return work, rows, load_workdir(str(work))[0]
+
+
+def _kill_at_epoch_2_checkpoint(monkeypatch, when):
+    """Raise `_Killed` just `when` ("before"/"after") the second epoch's checkpoint is written."""
+    save = _checkpoint.save
+
+    def killing_save(mngr, step, *args, **kwargs):
+        if step == EPOCH_2_END and when == "before":
+            raise _Killed
+        save(mngr, step, *args, **kwargs)
+        if step == EPOCH_2_END and when == "after":
+            raise _Killed
+
+    monkeypatch.setattr(_checkpoint, "save", killing_save)
+
+
+def _resume_and_compare(work, data, reference, monkeypatch):
+    monkeypatch.undo()
+    said = []
+    train(_cfg(work, data, resume=True), log=said.append)
+    _, rows, weights = reference
+    assert _rows(work) == rows, said
+    jax.tree.map(np.testing.assert_array_equal, load_workdir(str(work))[0], weights)
+    return said
+
+
+def test_a_kill_just_after_an_epoch_checkpoint_loses_no_metrics_row(tmp_path, data, reference, monkeypatch):
+    """The checkpoint was written before the row: a run killed between the two resumed after
+    that epoch and never wrote its row (metrics.jsonl and the plot missed epoch 2)."""
+    _kill_at_epoch_2_checkpoint(monkeypatch, "after")
+    with pytest.raises(_Killed):
+        train(_cfg(tmp_path, data))
+    assert _steps(tmp_path)[-1] == EPOCH_2_END
+    assert [r["epoch"] for r in _rows(tmp_path)] == [0, 1]  # the row came first
+    said = _resume_and_compare(tmp_path, data, reference, monkeypatch)
+    assert any(m.startswith(f"resuming from step {EPOCH_2_END}") for m in said), said
+    assert not any("holds no row" in m for m in said), said
+
+
+@pytest.mark.parametrize("torn", [False, True], ids=["whole-row", "torn-row"])
+def test_a_row_written_before_its_checkpoint_is_written_once(tmp_path, data, reference, monkeypatch, torn):
+    """Killed after the epoch's row but before its checkpoint, the resumed run goes back to step 6
+    and trains epoch 2 again: the row already there is dropped, not repeated. `torn`: killed
+    while appending the row (half a line, no newline), which made --resume fail with "line 2 is
+    not a metrics row"."""
+    _kill_at_epoch_2_checkpoint(monkeypatch, "before")
+    with pytest.raises(_Killed):
+        train(_cfg(tmp_path, data))
+    assert _steps(tmp_path)[-1] == 6
+    metrics = tmp_path / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    assert [json.loads(x)["epoch"] for x in lines] == [0, 1]
+    if torn:
+        metrics.write_text(lines[0] + lines[1][:len(lines[1]) // 2])
+    _resume_and_compare(tmp_path, data, reference, monkeypatch)
+
+
+def test_a_line_that_is_not_a_row_is_still_refused(tmp_path):
+    """Only a torn last line (no newline) is dropped on resume; a broken line before it, or a
+    finished last line, is named as before."""
+    metrics = tmp_path / "metrics.jsonl"
+    row = json.dumps({"epoch": 0, "train_loss": 1, "train_acc": 0, "val_loss": 1, "val_acc": 0})
+    metrics.write_text(row + "\n" + '{"epoch": 1, "tra')
+    assert _loop._read_metrics(str(metrics), torn_ok=True) == [json.loads(row)]
+    for text, line in ((row + "\n" + '{"epoch": 1, "tra\n', 2), ('{"epo\n' + row, 1)):
+        metrics.write_text(text)
+        with pytest.raises(CheckpointError, match=rf"line {line} is not a metrics row"):
+            _loop._read_metrics(str(metrics), torn_ok=True)
+    metrics.write_text(row + "\n" + '{"epoch": 1, "tra')
+    with pytest.raises(CheckpointError, match="line 2 is not a metrics row"):
+        _loop._read_metrics(str(metrics))  # the plot reads a finished run's file: nothing is dropped there
+
+
+def test_weights_that_turn_non_finite_at_an_epoch_end_get_no_row(tmp_path, data, monkeypatch):
+    """Now that the row is written before the checkpoint, the finiteness check must come before
+    both: a diverged epoch gets neither a row nor a checkpoint."""
+    calls = []
+
+    def second_check_fails(tree):
+        calls.append(1)
+        return np.bool_(len(calls) < 2)
+
+    monkeypatch.setattr(_loop, "_all_finite", second_check_fails)
+    with pytest.raises(DivergedError, match=f"weights became non-finite at step {EPOCH_2_END}"):
+        train(_cfg(tmp_path, data, checkpoint_every=1000))
+    assert [r["epoch"] for r in _rows(tmp_path)] == [0]
+    assert _steps(tmp_path) == [4]
+
+
+def _copy(reference, tmp_path):
+    work = tmp_path / "w"
+    shutil.copytree(reference[0], work)
+    return work
+
+
+def test_resume_does_not_read_init_when_a_checkpoint_exists(tmp_path, data, reference, monkeypatch):
+    """--init with --resume was loaded (slow, and an error if the file had moved) and then
+    overwritten by the checkpoint; now it is not read, and the resume line says so."""
+    work = _copy(reference, tmp_path)
+    init = tmp_path / "init.safetensors"
+    shutil.copy(work / "variables.safetensors", init)
+    read = []
+    monkeypatch.setattr(_loop, "load_init", lambda *a, **k: read.append(a) or pytest.fail("--init was read"))
+    said = []
+    result = train(_cfg(work, data, resume=True, init=str(init)), log=said.append)
+    assert read == [] and result["steps_run"] == 0
+    ckpt = _checkpoint.checkpoint_dir(str(work))
+    assert f"resuming from step 12; --init {init} is not used (the checkpoint in {ckpt} holds every weight)" in said
+    # A file that is gone no longer matters either.
+    said.clear()
+    train(_cfg(work, data, resume=True, init=str(tmp_path / "moved.safetensors")), log=said.append)
+    assert any("moved.safetensors is not used" in m for m in said), said
+
+
+def test_resume_without_a_checkpoint_starts_from_init(tmp_path, data, reference, monkeypatch):
+    init = tmp_path / "init.safetensors"
+    shutil.copy(reference[0] / "variables.safetensors", init)
+    read = []
+    load_init = _loop.load_init
+    monkeypatch.setattr(_loop, "load_init", lambda *a, **k: read.append(a[0]) or load_init(*a, **k))
+    said = []
+    result = train(_cfg(tmp_path / "w", data, resume=True, init=str(init), max_steps=1), log=said.append)
+    assert read == [str(init)] and result["steps_run"] == 1
+    assert f"--resume: no checkpoint in {tmp_path / 'w'}; starting from step 0" in said
+    assert not any("is not used" in m for m in said), said
+
+
+def test_resume_completes_a_workdir_killed_before_its_final_files(tmp_path, data, reference):
+    """Killed after the last checkpoint but before variables.safetensors and the plot: --resume
+    has nothing to train and writes both, from the checkpoint and every row. A row lost for good
+    (a workdir written by an earlier jaxport, which checkpointed an epoch before its row) cannot
+    be recomputed: resuming names its epoch."""
+    work = _copy(reference, tmp_path)
+    (work / "variables.safetensors").unlink()
+    (work / "training_curves.png").unlink()
+    lines = (work / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (work / "metrics.jsonl").write_text(lines[0] + lines[2])
+    said = []
+    result = train(_cfg(work, data, resume=True), log=said.append)
+    assert result["steps_run"] == 0 and (work / "training_curves.png").stat().st_size > 1000
+    from jaxport import load_variables
+
+    jax.tree.map(np.testing.assert_array_equal, load_variables(work / "variables.safetensors"), reference[2])
+    assert _rows(work) == [reference[1][0], reference[1][2]]
+    assert f"--resume: {work / 'metrics.jsonl'} holds no row for epoch(s) 2; they cannot be recomputed, and the " \
+           "plot will miss them" in said, said
