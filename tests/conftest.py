@@ -4,8 +4,20 @@
 tests need full-precision matmuls (the CPU default may use lower precision passes).
 """
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+# One XLA compilation cache per test run. Many tests compile the same programs again under new
+# closures (each `train()` call builds its own ResNet-18 step): a cache hit replaces a compile of
+# seconds. pytest-xdist's workers and the tests' subprocesses inherit this process's
+# environment, so they all share the directory that the first process (xdist's controller)
+# makes here; it is removed when the run ends. A cached executable is the compiled program
+# itself, so no result depends on it. A cache the caller set up is used as it is.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _OWN_CACHE:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxport-tests-xla-cache-")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # Keep torch and XLA from oversubscribing the 2 cores when pytest-xdist runs 2 workers.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -27,3 +39,10 @@ def x64():
     """float64 inside the test (``jax.enable_x64``), for comparisons tight enough to mean exact."""
     with jax.enable_x64(True):
         yield
+
+
+def pytest_sessionfinish(session):
+    # xdist's workers inherit _OWN_CACHE as False (the variable is set by then): only the
+    # process that made the directory removes it, after every worker has finished.
+    if _OWN_CACHE:
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
