@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._args import finite, whole
+from .._args import finite, is_real, whole
 from .._errors import ConfigError
 
 Schedule = Callable[[jax.Array], jax.Array]
@@ -44,15 +44,38 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.
 
     def update(updates, state, params=None):
         del params
-        first = state.count == 0
+        # momentum == 0 only reaches here as an array (optax.inject_hyperparams): torch then
+        # keeps no buffer and ignores dampening, so the buffer is the gradient itself.
+        plain = (state.count == 0) | (jnp.asarray(momentum) == 0)
         trace = jax.tree.map(
-            lambda g, b: jnp.where(first, g, momentum * b + (1 - dampening) * g).astype(b.dtype),
+            lambda g, b: jnp.where(plain, g, momentum * b + (1 - dampening) * g).astype(b.dtype),
             updates, state.trace,
         )
-        out = jax.tree.map(lambda g, b: g + momentum * b, updates, trace) if nesterov else trace
+        out = jax.tree.map(lambda g, b: (g + momentum * b).astype(g.dtype), updates, trace) if nesterov else trace
         return out, _TorchMomentumState(optax.safe_int32_increment(state.count), trace)
 
     return optax.GradientTransformation(init, update)
+
+
+def _is_array(value) -> bool:
+    """A jax or numpy array, as `optax.inject_hyperparams` passes hyper-parameters (traced
+    inside `jit`); numpy scalars are plain numbers here."""
+    return isinstance(value, (jax.Array, np.ndarray))
+
+
+def _hyperparameter(name: str, value, *, minimum: float | None = None, hint: str = ""):
+    """`value` checked as `finite` does, also when it is a 0-d real array (jax or numpy): a
+    concrete one is checked by value, a traced one (`inject_hyperparams` under `jit`) passes, as
+    its concrete value was checked when the optimizer state was initialised. Arrays are
+    returned unchanged (optax reads them as they are); numbers as `finite` returns them."""
+    if not _is_array(value):
+        return finite(name, value, minimum=minimum, hint=hint)
+    if value.shape != () or not (jnp.issubdtype(value.dtype, jnp.integer) or jnp.issubdtype(value.dtype, jnp.floating)):
+        raise ConfigError(f"`{name}` (={value!r}) must be a number or a 0-d real array{hint}")
+    if not isinstance(value, jax.core.Tracer):
+        scalar = np.asarray(value)[()]  # a numpy scalar: its repr in the error names the dtype
+        finite(name, scalar if is_real(scalar) else float(scalar), minimum=minimum, hint=hint)  # bfloat16: a float
+    return value
 
 
 def _check_non_negative(**values) -> None:
@@ -60,7 +83,12 @@ def _check_non_negative(**values) -> None:
     trains to NaN). Schedules (callables) are left to their own checks."""
     for name, value in values.items():
         if not callable(value):
-            finite(name, value, minimum=0, hint=" or a schedule (step -> lr)" if name == "learning_rate" else "")
+            _hyperparameter(name, value, minimum=0, hint=" or a schedule (step -> lr)" if name == "learning_rate" else "")
+
+
+def _concrete(value) -> float | None:
+    """A hyper-parameter's value, or None when it is traced (and cannot be read)."""
+    return None if isinstance(value, jax.core.Tracer) else float(value)
 
 
 def sgd(
@@ -85,9 +113,18 @@ def sgd(
       momentum, dampening, weight_decay, nesterov, maximize: as torch.optim.SGD (maximize
         ascends: the gradient is negated before weight decay, as torch does).
 
+    The numbers may also be 0-d arrays, as `optax.inject_hyperparams(sgd)` passes them: that
+    is how to read or change the lr while training (torch's `param_groups[0]["lr"] = ...`):
+    `tx = optax.inject_hyperparams(sgd)(0.1, momentum=0.9)`, then set
+    `state.hyperparams["learning_rate"]`.
+
     A parameter that torch leaves alone because its `.grad` is None (unused in that step) has a
     zero gradient in JAX, so weight decay and momentum still move it; a ResNet uses every
-    parameter every step, so its training is unaffected.
+    parameter every step, so its training is unaffected. For frozen layers use
+    `optax.multi_transform({"train": sgd(...), "frozen": optax.set_to_zero()}, labels)`, which
+    equals torch; torch's param groups (e.g. no decay on biases) are `multi_transform` too.
+    Low-precision (bfloat16, float16) parameters are updated in their dtype, momentum buffer
+    included, as torch does; the two round at different points, so they agree to a few ulps.
 
     Raises:
       ConfigError: for the combinations torch refuses (nesterov without momentum or with
@@ -97,20 +134,26 @@ def sgd(
       >>> tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     """
     _check_non_negative(learning_rate=learning_rate, momentum=momentum, weight_decay=weight_decay)
-    finite("dampening", dampening)  # torch takes any number here, negative ones included
-    if nesterov and (momentum <= 0 or dampening != 0):
+    _hyperparameter("dampening", dampening)  # torch takes any number here, negative ones included
+    m, d = _concrete(momentum), _concrete(dampening)
+    if nesterov and ((m is not None and m <= 0) or (d is not None and d != 0)):
         raise ConfigError(
             f"nesterov momentum needs `momentum` > 0 and `dampening` == 0 (got momentum={momentum}, "
             f"dampening={dampening}), as torch.optim.SGD; set nesterov=False or fix them"
         )
     parts = [optax.scale(-1.0)] if maximize else []
-    if weight_decay:
-        parts.append(optax.add_decayed_weights(weight_decay))
-    if momentum:
-        if dampening == 0:
-            parts.append(optax.trace(decay=momentum, nesterov=nesterov))
-        else:
-            parts.append(_torch_momentum(momentum, dampening, nesterov))
+    if any(_is_array(v) for v in (momentum, dampening, weight_decay)):
+        # Arrays (optax.inject_hyperparams): one chain whatever their values, so the state
+        # made at init (concrete values) fits the update (traced ones).
+        parts += [optax.add_decayed_weights(weight_decay), _torch_momentum(momentum, dampening, nesterov)]
+    else:
+        if weight_decay:
+            parts.append(optax.add_decayed_weights(weight_decay))
+        if momentum:
+            if dampening == 0:
+                parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+            else:
+                parts.append(_torch_momentum(momentum, dampening, nesterov))
     parts.append(optax.scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
 
@@ -130,6 +173,8 @@ def adamw(
     square root); decoupled decay `p -= lr * wd * p` equals torch's `p *= 1 - lr * wd` followed
     by the Adam step, since both use the parameter before the step. Every parameter is decayed,
     as torch does by default. `maximize=True` ascends: torch negates the gradient first.
+    Param groups, frozen layers, `optax.inject_hyperparams` and low-precision parameters: as
+    for `sgd`.
 
     Raises:
       ConfigError: `amsgrad=True` (not reproduced), out-of-range betas, or what torch refuses
@@ -137,7 +182,9 @@ def adamw(
     """
     _check_non_negative(learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     if amsgrad:
-        raise ConfigError("`amsgrad` (=True) is not supported; use amsgrad=False")
+        # torch takes the maximum of the raw second moment and bias-corrects it with the current
+        # step; optax.amsgrad takes the maximum of the corrected ones: the updates differ.
+        raise ConfigError("`amsgrad` (=True) is not supported (torch's AMSGrad is not reproduced); use amsgrad=False")
     try:
         b1, b2 = (float(b) for b in betas)
     except (TypeError, ValueError):

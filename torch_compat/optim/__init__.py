@@ -4,6 +4,18 @@
 `step_lr`, `multistep_lr`, `cosine_annealing_lr` and `linear_warmup` reproduce torch's
 `StepLR`, `MultiStepLR`, `CosineAnnealingLR` and `LinearLR` values exactly. They are pure optax
 (implemented in `jaxport.train._optim`, so the JAX training loop needs no torch).
+
+torch idioms, the optax way (each checked against torch in tests/test_optim_probe.py):
+
+* param groups (e.g. no weight decay on biases): `optax.multi_transform({"decay": sgd(...),
+  "no_decay": sgd(..., weight_decay=0)}, labels)`;
+* frozen parameters (`.grad` None: torch skips them): `optax.set_to_zero()` for their label;
+  the plain optimizer sees a zero gradient and still decays them;
+* `param_groups[0]["lr"] = ...` while training: `optax.inject_hyperparams(sgd)(...)`, then set
+  `state.hyperparams["learning_rate"]`;
+* `scheduler.step()` per epoch: `per_epoch(schedule, steps_per_epoch)`;
+* `SequentialLR([warm-up, decay], [n])`: `optax.join_schedules([linear_warmup(...), decay], [n])`
+  (the decay restarts at its step 0 at the milestone, as in torch).
 """
 from jaxport.train._optim import adamw as adamw
 from jaxport.train._optim import cosine_annealing_lr as cosine_annealing_lr

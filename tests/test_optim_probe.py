@@ -1,0 +1,373 @@
+"""Edge cases of torch_compat.optim against torch.optim, beyond tests/test_optim.py.
+
+Every case runs torch's optimizer or scheduler on the same parameters and gradients in the same
+test. float64 (`jax.enable_x64`) where the two are meant to agree exactly: 1e-12 relative for
+optimizers (same float64 operations in another order), 1e-15 for schedules (the same Python-float
+recursion). Low-precision parameters: per-dtype tolerances, written down at the test.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+from jaxport._errors import ConfigError
+from torch_compat import optim
+
+L = torch.optim.lr_scheduler
+SHAPES = {"w": (4, 3), "b": (3,)}
+
+
+def _data(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
+    grads = [{k: rng.standard_normal(s) for k, s in SHAPES.items()} for _ in range(steps)]
+    return params, grads
+
+
+def _torch_run(make_opt, params, grads, dtype=torch.float64, no_grad=(), on_step=None):
+    """torch's optimizer over `grads`; parameters named in `no_grad` keep `.grad = None`."""
+    tp = {k: torch.tensor(v, dtype=dtype, requires_grad=True) for k, v in params.items()}
+    opt = make_opt(tp)
+    for i, g in enumerate(grads):
+        if on_step:
+            on_step(opt, i)
+        for k, p in tp.items():
+            p.grad = None if k in no_grad else torch.tensor(g[k], dtype=dtype)
+        opt.step()
+    return {k: p.detach().double().numpy() for k, p in tp.items()}
+
+
+def _optax_run(tx, params, grads, dtype=jnp.float64, on_step=None):
+    p = jax.tree.map(lambda a: jnp.asarray(a, dtype), params)
+    state = tx.init(p)
+    update = jax.jit(tx.update)
+    for i, g in enumerate(grads):
+        if on_step:
+            state = on_step(state, i)
+        u, state = update(jax.tree.map(lambda a: jnp.asarray(a, dtype), g), state, p)
+        p = optax.apply_updates(p, u)
+    assert all(v.dtype == dtype for v in p.values())
+    return {k: np.asarray(v).astype(np.float64) for k, v in p.items()}
+
+
+def _assert_same(got, want, rtol=1e-12, atol=1e-14):
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def _compare(make_torch, tx, steps=10, **kw):
+    params, grads = _data(steps)
+    want = _torch_run(make_torch, params, grads, **kw)
+    with jax.enable_x64(True):
+        got = _optax_run(tx, params, grads)
+    _assert_same(got, want)
+
+
+# --- optimizers: hyper-parameters at the edges --------------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(momentum=0.9, dampening=1.0),  # buffer frozen at the first gradient
+    dict(momentum=0.9, dampening=-0.5, weight_decay=0.1),  # torch takes a negative dampening
+    dict(momentum=0.0, dampening=0.5, weight_decay=0.1),  # no momentum: dampening ignored
+    dict(momentum=1.0),
+    dict(momentum=0.5, dampening=0.3, weight_decay=0.1, maximize=True),
+    dict(momentum=1.5, nesterov=True),
+])
+def test_sgd_edge_hyperparameters_match_torch(kw):
+    _compare(lambda tp: torch.optim.SGD(list(tp.values()), lr=0.1, **kw), optim.sgd(0.1, **kw))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(betas=(0.0, 0.0)), dict(betas=(0.0, 0.999)), dict(betas=(0.9, 0.0)),
+    dict(eps=1e-300), dict(eps=0.0), dict(weight_decay=0.0), dict(weight_decay=0.5, maximize=True),
+])
+def test_adamw_edge_hyperparameters_match_torch(kw):
+    _compare(lambda tp: torch.optim.AdamW(list(tp.values()), lr=0.01, **kw), optim.adamw(0.01, **kw))
+
+
+@pytest.mark.parametrize("make_torch, tx", [
+    (lambda tp: torch.optim.SGD(list(tp.values()), lr=0.1, momentum=0.9, dampening=0.2, weight_decay=0.1),
+     optim.sgd(0.1, momentum=0.9, dampening=0.2, weight_decay=0.1)),
+    (lambda tp: torch.optim.AdamW(list(tp.values()), lr=0.01), optim.adamw(0.01)),
+])
+def test_zero_gradients_match_torch(make_torch, tx):
+    """A zero (not None) gradient: torch still decays and applies momentum, as here."""
+    params, grads = _data(6)
+    grads = [jax.tree.map(np.zeros_like, g) if i % 2 else g for i, g in enumerate(grads)]
+    want = _torch_run(make_torch, params, grads)
+    with jax.enable_x64(True):
+        _assert_same(_optax_run(tx, params, grads), want)
+
+
+# --- optax.inject_hyperparams: torch's `param_groups[0]["lr"] = ...` -----------------------------
+
+def _set_lr_at_step_4(opt, i):
+    if i == 4:
+        for group in opt.param_groups:
+            group["lr"] = group["lr"] / 10
+
+
+def _inject_lr_at_step_4(state, i):
+    if i == 4:
+        state.hyperparams["learning_rate"] = state.hyperparams["learning_rate"] / 10
+    return state
+
+
+@pytest.mark.parametrize("kw", [
+    dict(momentum=0.9, weight_decay=1e-2),
+    dict(momentum=0.9, dampening=0.3, weight_decay=1e-2),
+    dict(momentum=0.9, nesterov=True),
+    dict(momentum=0.0, dampening=0.5, weight_decay=1e-2),  # an array momentum of 0: no buffer, as torch
+    dict(),
+])
+def test_sgd_under_inject_hyperparams_matches_torch_changing_its_lr(kw):
+    """Regression: `optax.inject_hyperparams(sgd)` (the optax way to read or change the lr while
+    training, torch's `param_groups[0]["lr"] = ...`) raised ConfigError: it passes the
+    hyper-parameters as arrays, traced under jit, and sgd accepted Python numbers only (and
+    chose its chain with `if momentum:`, which a traced value cannot answer)."""
+    params, grads = _data(10)
+    want = _torch_run(lambda tp: torch.optim.SGD(list(tp.values()), lr=0.1, **kw), params, grads,
+                      on_step=_set_lr_at_step_4)
+    with jax.enable_x64(True):
+        tx = optax.inject_hyperparams(optim.sgd)(0.1, **kw)
+        got = _optax_run(tx, params, grads, on_step=_inject_lr_at_step_4)
+    _assert_same(got, want)
+
+
+def test_adamw_under_inject_hyperparams_matches_torch_changing_its_lr():
+    params, grads = _data(10)
+    want = _torch_run(lambda tp: torch.optim.AdamW(list(tp.values()), lr=0.01, weight_decay=0.1), params, grads,
+                      on_step=_set_lr_at_step_4)
+    with jax.enable_x64(True):
+        tx = optax.inject_hyperparams(optim.adamw)(0.01, weight_decay=0.1)
+        got = _optax_run(tx, params, grads, on_step=_inject_lr_at_step_4)
+    _assert_same(got, want)
+
+
+def test_inject_hyperparams_with_bfloat16_parameters():
+    """optax keeps the injected hyper-parameters in the parameters' dtype: bfloat16 here, which
+    the checks read as well (a bfloat16 scalar is not a numpy float)."""
+    p = {"w": jnp.ones(3, jnp.bfloat16)}
+    tx = optax.inject_hyperparams(optim.sgd)(0.1, momentum=0.9, weight_decay=1e-4)
+    state = tx.init(p)
+    assert state.hyperparams["learning_rate"].dtype == jnp.bfloat16
+    u, state = jax.jit(tx.update)(p, state, p)
+    assert u["w"].dtype == jnp.bfloat16
+    with pytest.raises(ConfigError, match="`momentum` \\(=-1.0\\) must be a finite number >= 0"):
+        optim.sgd(0.1, momentum=jnp.asarray(-1.0, jnp.bfloat16))
+
+
+def test_array_hyperparameters_are_checked_when_concrete():
+    with jax.enable_x64(True):
+        _compare(lambda tp: torch.optim.SGD(list(tp.values()), lr=0.1, momentum=0.9),
+                 optim.sgd(jnp.asarray(0.1), momentum=np.asarray(0.9)))
+    for call, message in [
+        (lambda: optim.sgd(jnp.asarray(-0.1)), "`learning_rate` (=np.float32(-0.1)) must be a finite number >= 0"),
+        (lambda: optim.sgd(jnp.asarray([0.1, 0.2])), "`learning_rate` (=Array([0.1, 0.2]"),
+        (lambda: optim.sgd(0.1, momentum=jnp.asarray(float("nan"))), "`momentum` (=np.float32(nan)) must be a finite number >= 0"),
+        (lambda: optim.sgd(0.1, momentum=jnp.asarray(0.0), nesterov=True), "nesterov momentum needs `momentum` > 0"),
+        (lambda: optim.adamw(weight_decay=np.asarray(-1.0)), "`weight_decay` (=np.float64(-1.0)) must be a finite number >= 0"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert message in str(e.value)
+
+
+# --- torch's param groups and frozen parameters, the optax way ------------------------------------
+
+def test_param_groups_as_multi_transform_match_torch():
+    """torch's param groups (here: no weight decay on biases, a smaller lr for them, as
+    fine-tuning recipes do) are `optax.multi_transform` with one optimizer per group."""
+    params, grads = _data(10)
+    want = _torch_run(lambda tp: torch.optim.SGD(
+        [{"params": [tp["w"]]}, {"params": [tp["b"]], "weight_decay": 0.0, "lr": 0.01}],
+        lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True), params, grads)
+    labels = {"w": "decay", "b": "no_decay"}
+    with jax.enable_x64(True):
+        tx = optax.multi_transform({"decay": optim.sgd(0.1, momentum=0.9, weight_decay=1e-2, nesterov=True),
+                                    "no_decay": optim.sgd(0.01, momentum=0.9, nesterov=True)}, labels)
+        got = _optax_run(tx, params, grads)
+    _assert_same(got, want)
+    want = _torch_run(lambda tp: torch.optim.AdamW(
+        [{"params": [tp["w"]]}, {"params": [tp["b"]], "weight_decay": 0.0}], lr=0.01, weight_decay=0.1), params, grads)
+    with jax.enable_x64(True):
+        tx = optax.multi_transform({"decay": optim.adamw(0.01, weight_decay=0.1),
+                                    "no_decay": optim.adamw(0.01, weight_decay=0.0)}, labels)
+        _assert_same(_optax_run(tx, params, grads), want)
+
+
+@pytest.mark.parametrize("make_torch, make_tx", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+     lambda: optim.sgd(0.1, momentum=0.9, weight_decay=0.1)),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), lambda: optim.adamw(0.01, weight_decay=0.1)),
+])
+def test_frozen_parameters_as_set_to_zero_match_torch_none_grad(make_torch, make_tx):
+    """torch skips a parameter whose `.grad` is None (no decay, no momentum); a zero gradient in
+    JAX still decays it. `optax.multi_transform` with `optax.set_to_zero()` for the frozen
+    ones reproduces torch; the plain optimizer does not (the documented difference)."""
+    params, grads = _data(6)
+    want = _torch_run(lambda tp: make_torch(list(tp.values())), params, grads, no_grad=("b",))
+    np.testing.assert_array_equal(want["b"], params["b"])
+    zero_b = [dict(g, b=np.zeros_like(g["b"])) for g in grads]
+    with jax.enable_x64(True):
+        tx = optax.multi_transform({"train": make_tx(), "frozen": optax.set_to_zero()}, {"w": "train", "b": "frozen"})
+        _assert_same(_optax_run(tx, params, zero_b), want)
+        plain = _optax_run(make_tx(), params, zero_b)
+    np.testing.assert_allclose(plain["w"], want["w"], rtol=1e-12)
+    assert not np.allclose(plain["b"], want["b"])
+
+
+# --- low-precision parameters --------------------------------------------------------------------
+
+@pytest.mark.parametrize("tdtype, jdtype, tol", [
+    # bfloat16 has 8 significant bits (2^-8 = 0.004 relative per rounding); torch rounds after
+    # every operation, XLA fuses them and rounds less often, so a few ulps apart after 5 steps.
+    (torch.bfloat16, jnp.bfloat16, 0.05),
+    (torch.float16, jnp.float16, 0.01),
+    (torch.float32, jnp.float32, 1e-5),
+])
+@pytest.mark.parametrize("make_torch, tx", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2),
+     optim.sgd(0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2)),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True), optim.sgd(0.1, momentum=0.9, nesterov=True)),
+    (lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1), optim.adamw(0.01, weight_decay=0.1)),
+])
+def test_low_precision_parameters_keep_their_dtype_and_track_torch(tdtype, jdtype, tol, make_torch, tx):
+    """As torch, the update and its state are in the parameter's dtype (no float32 master copy)."""
+    params, grads = _data(5)
+    want = _torch_run(lambda tp: make_torch(list(tp.values())), params, grads, dtype=tdtype)
+    got = _optax_run(tx, params, grads, dtype=jdtype)
+    state = tx.init(jax.tree.map(lambda a: jnp.asarray(a, jdtype), params))
+    assert {x.dtype for x in jax.tree.leaves(state) if x.ndim} == {jnp.dtype(jdtype)}
+    _assert_same(got, want, rtol=tol, atol=tol)
+
+
+# --- schedules -----------------------------------------------------------------------------------
+
+def _torch_lrs(make_sched, n, lr=0.1):
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = make_sched(opt)
+    lrs = []
+    for _ in range(n):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return np.array(lrs)
+
+
+def _ours(sched, n):
+    with jax.enable_x64(True):
+        return np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(n)))
+
+
+@pytest.mark.parametrize("make_torch, make_ours, lr", [
+    (lambda o: L.MultiStepLR(o, [0, 3], 0.5), lambda lr: optim.multistep_lr(lr, [0, 3], 0.5), 0.1),  # fires at once
+    (lambda o: L.MultiStepLR(o, [6, 2, 6, 2, 2], 0.5), lambda lr: optim.multistep_lr(lr, [6, 2, 6, 2, 2], 0.5), 0.1),
+    (lambda o: L.MultiStepLR(o, [-1, 3], 0.5), lambda lr: optim.multistep_lr(lr, [-1, 3], 0.5), 0.1),
+    (lambda o: L.MultiStepLR(o, [], 0.5), lambda lr: optim.multistep_lr(lr, [], 0.5), 0.1),
+    (lambda o: L.MultiStepLR(o, {4, 2}, -1.0), lambda lr: optim.multistep_lr(lr, {4, 2}, -1.0), 0.1),
+    (lambda o: L.StepLR(o, 2, 2.0), lambda lr: optim.step_lr(lr, 2, 2.0), 0.1),
+    (lambda o: L.StepLR(o, 2, -0.5), lambda lr: optim.step_lr(lr, 2, -0.5), 0.1),
+    (lambda o: L.StepLR(o, 2, 0.0), lambda lr: optim.step_lr(lr, 2, 0.0), 0.1),
+    (lambda o: L.StepLR(o, 2, 0.5), lambda lr: optim.step_lr(lr, 2, 0.5), 0.0),
+    (lambda o: L.CosineAnnealingLR(o, 1), lambda lr: optim.cosine_annealing_lr(lr, 1), 0.1),
+    (lambda o: L.CosineAnnealingLR(o, 2), lambda lr: optim.cosine_annealing_lr(lr, 2), 0.1),
+    (lambda o: L.CosineAnnealingLR(o, 3, 0.05), lambda lr: optim.cosine_annealing_lr(lr, 3, 0.05), 0.1),
+    (lambda o: L.CosineAnnealingLR(o, 5, 0.5), lambda lr: optim.cosine_annealing_lr(lr, 5, 0.5), 0.1),  # eta_min > lr
+    (lambda o: L.CosineAnnealingLR(o, 5), lambda lr: optim.cosine_annealing_lr(lr, 5), 0.0),
+    (lambda o: L.LinearLR(o, 0.5, 1.0, 4), lambda lr: optim.linear_warmup(lr, 4, 0.5, 1.0), 0.1),
+    (lambda o: L.LinearLR(o, 1.0, 0.5, 4), lambda lr: optim.linear_warmup(lr, 4, 1.0, 0.5), 0.1),  # a decay
+    (lambda o: L.LinearLR(o, 0.01, 0.0, 6), lambda lr: optim.linear_warmup(lr, 6, 0.01, 0.0), 0.1),
+    (lambda o: L.LinearLR(o, 0.3, 0.7, 1), lambda lr: optim.linear_warmup(lr, 1, 0.3, 0.7), 0.1),
+])
+def test_schedule_edge_cases_match_torch(make_torch, make_ours, lr):
+    """Past T_max the cosine rises again in torch's recursion, as here (60 steps)."""
+    np.testing.assert_allclose(_ours(make_ours(lr), 60), _torch_lrs(make_torch, 60, lr), rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("warmup", [1, 3, 5])
+@pytest.mark.parametrize("make_torch, make_ours", [
+    (lambda o: L.CosineAnnealingLR(o, 10), lambda: optim.cosine_annealing_lr(0.1, 10)),
+    (lambda o: L.MultiStepLR(o, [4, 8], 0.1), lambda: optim.multistep_lr(0.1, [4, 8], 0.1)),
+    (lambda o: L.StepLR(o, 3, 0.5), lambda: optim.step_lr(0.1, 3, 0.5)),
+])
+def test_join_schedules_is_sequential_lr(warmup, make_torch, make_ours):
+    """torch's SequentialLR restarts the second scheduler at step 0 at the milestone (the lr
+    there is the second schedule's start, not the warm-up's end); `optax.join_schedules` does
+    the same, with the milestone as its boundary."""
+    want = _torch_lrs(lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, warmup), make_torch(o)], [warmup]), 40)
+    got = _ours(optax.join_schedules([optim.linear_warmup(0.1, warmup, 0.1), make_ours()], [warmup]), 40)
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+
+
+def test_per_epoch_sgd_run_matches_torch_stepping_its_scheduler_each_epoch():
+    steps_per_epoch = 3
+    params, grads = _data(4 * steps_per_epoch)
+    holder = {}
+
+    def make(tp):
+        holder["opt"] = torch.optim.SGD(list(tp.values()), lr=0.1, momentum=0.9)
+        holder["sched"] = L.MultiStepLR(holder["opt"], [1, 3], 0.1)
+        return holder["opt"]
+
+    def epoch_end(opt, i):
+        if i and i % steps_per_epoch == 0:
+            holder["sched"].step()
+
+    want = _torch_run(make, params, grads, on_step=epoch_end)
+    with jax.enable_x64(True):
+        tx = optim.sgd(optim.per_epoch(optim.multistep_lr(0.1, [1, 3], 0.1), steps_per_epoch), momentum=0.9)
+        _assert_same(_optax_run(tx, params, grads), want)
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make_torch, call, message", [
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1, nesterov=True),
+     lambda: optim.sgd(0.1, momentum=0.9, dampening=0.1, nesterov=True), "nesterov momentum needs `momentum` > 0 and `dampening` == 0"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, nesterov=True), lambda: optim.sgd(0.1, nesterov=True), "set nesterov=False"),
+    (lambda p: torch.optim.AdamW(p, betas=(0.9, 1.0)), lambda: optim.adamw(betas=(0.9, 1.0)), "`betas` (=(0.9, 1.0)) must both be in [0, 1)"),
+    (lambda p: torch.optim.AdamW(p, betas=(float("nan"), 0.9)), lambda: optim.adamw(betas=(float("nan"), 0.9)), "must both be in [0, 1)"),
+    (lambda p: torch.optim.AdamW(p, eps=float("nan")), lambda: optim.adamw(eps=float("nan")), "`eps` (=nan)"),
+    (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.0), lambda: optim.linear_warmup(0.1, 5, 0.0), "`start_factor` (=0.0) must be in (0, 1]"),
+    (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.5, 1.5), lambda: optim.linear_warmup(0.1, 5, 0.5, 1.5), "`end_factor` (=1.5) in [0, 1]"),
+])
+def test_refuses_what_torch_refuses_with_the_argument_named(make_torch, call, message):
+    with pytest.raises(ValueError):
+        make_torch([torch.zeros(1, requires_grad=True)])
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("call, message", [
+    # torch takes these and trains to NaN, or fails at its first step with ZeroDivisionError.
+    (lambda: optim.sgd(0.1, momentum=float("nan")), "`momentum` (=nan) must be a finite number >= 0"),
+    (lambda: optim.sgd(0.1, momentum=0.9, dampening=float("inf")), "`dampening` (=inf) must be a finite number"),
+    (lambda: optim.step_lr(0.1, 0), "`step_size` (=0) must be a whole number >= 1"),
+    (lambda: optim.cosine_annealing_lr(0.1, 0), "`t_max` (=0) must be a whole number >= 1"),
+    # torch's AMSGrad maximum is over the uncorrected second moment, optax's over the corrected one
+    (lambda: optim.adamw(amsgrad=True), "`amsgrad` (=True) is not supported"),
+])
+def test_refuses_what_torch_takes_but_cannot_train_with(call, message):
+    with pytest.raises(ConfigError) as e:
+        call()
+    assert message in str(e.value)
+
+
+def test_adamw_with_a_cosine_schedule_matches_torch():
+    """The scheduled lr scales the decoupled weight decay too, at the same step, as torch's."""
+    holder = {}
+
+    def make(tp):
+        holder["opt"] = torch.optim.AdamW(list(tp.values()), lr=0.01, weight_decay=0.1)
+        holder["sched"] = L.CosineAnnealingLR(holder["opt"], 4, eta_min=1e-3)
+        return holder["opt"]
+
+    params, grads = _data(10)
+    want = _torch_run(make, params, grads, on_step=lambda opt, i: i and holder["sched"].step())
+    with jax.enable_x64(True):
+        got = _optax_run(optim.adamw(optim.cosine_annealing_lr(0.01, 4, 1e-3), weight_decay=0.1), params, grads)
+    _assert_same(got, want)
