@@ -141,6 +141,12 @@ def detect_arch(state_dict: Mapping[str, Any]) -> str:
     ResNeXt/wide options from the 3x3 conv's shape: its output width is
     `width_per_group * groups` and its input channels per group `width / groups`.
 
+    Options that leave no trace in the weights cannot be detected: a ResNet-50 built with
+    `replace_stride_with_dilation` has ResNet-50's tensors, so it is "resnet50", and its port is
+    the same. Build the Flax model with the options the torch model was built with
+    (`models.resnet50(replace_stride_with_dilation=(False, True, True))`); without them its
+    logits differ, exactly as those of torchvision's `resnet50()` loading the same weights do.
+
     Raises:
       ConversionError: the keys are not a ResNet's, or the ResNet is not one of torchvision's
         named architectures (the message gives what was found).
@@ -323,7 +329,7 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str, *, dtype: Any = N
             f"state_dict[{k!r}] is {type(state_dict[k]).__module__}.{type(state_dict[k]).__qualname__}, not a "
             f"torch.Tensor ({len(not_tensors)} such values): a state_dict maps names to torch tensors; read a file "
             "with torch_compat.load_state_dict(path), or convert arrays with torch.from_numpy")
-    shapes = {k: tuple(v.shape) for k, v in state_dict.items()}
+    shapes = {k: _torch_load_shape(k, v) for k, v in state_dict.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "fc.weight", 0)))
     _check(arch, entries, shapes, "torch_key", lambda: _looks_like(state_dict), "the state_dict's weights")
     meta = [k for k, v in state_dict.items() if v.is_meta]
@@ -333,6 +339,14 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str, *, dtype: Any = N
                               "materialise the model's weights before converting them")
     _check_torch_dtypes(state_dict, entries, cast=_torch_dtype(dtype))
     return entries
+
+
+def _torch_load_shape(key: str, t: torch.Tensor) -> tuple[int, ...]:
+    """The shape torch's `load_state_dict` sees: a one-element 1-D counter (as torch 0.3 saved
+    scalars, or an `np.atleast_1d` round trip) loads into the 0-d `num_batches_tracked`, so it
+    fits here too (it ports as the 0-d counter)."""
+    shape = tuple(t.shape)
+    return () if shape == (1,) and key.rsplit(".", 1)[-1] in _OPTIONAL else shape
 
 
 # Weights keep their dtype through the port, so only dtypes a Flax ResNet computes in pass.
@@ -494,6 +508,8 @@ def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
 def _convert_tensor(e: Entry, t: torch.Tensor | None) -> np.ndarray:
     if t is None:  # optional counter, absent from very old checkpoints
         return np.zeros((), np.int32)
+    if e.flax_path[-1] == "num_batches_tracked" and t.dim() == 1:
+        t = t.reshape(())  # one element, checked: what torch's load_state_dict copies (`_torch_load_shape`)
     if e.flax_path[-1] == "num_batches_tracked" and t.is_floating_point():
         t = t.to(torch.int64)  # a whole number (checked), as torch loads it; float8 has no numpy form
     a = _permuted_copy(t, e.perm) if e.perm is not None else np.array(_to_numpy(t), copy=True)

@@ -260,6 +260,22 @@ class ResNet(nn.Module):
             # kernel shape mismatch in conv1.
             raise ConfigError(f"ResNet input must be NHWC (channels last); got shape {tuple(x.shape)}, which looks "
                               "like torch's NCHW: transpose it with x.transpose(0, 2, 3, 1)")
+        stem = self.variables.get("params", {}).get("conv1", {}).get("kernel")
+        if stem is not None and jnp.ndim(stem) == 4 and stem.shape[2] != x.shape[-1]:
+            # flax only said "the given initializer is expected to generate shape (7, 7, 1, 64), but
+            # the existing parameter it received has shape (7, 7, 3, 64)"; torch names the channels.
+            want = stem.shape[2]
+            gray = ("repeat a grayscale image to 3 channels, jnp.repeat(x, 3, axis=-1), as torchvision's "
+                    "Grayscale(num_output_channels=3) does")
+            if x.shape[1] in (1, want) and x.shape[-1] not in (1, want):
+                fix = "it looks like torch's NCHW: transpose it with x.transpose(0, 2, 3, 1)"
+                fix += f", then {gray}" if x.shape[1] == 1 and want == 3 else ""
+            elif x.shape[-1] == 1 and want == 3:
+                fix = gray
+            else:
+                fix = f"pass images with {want} channels (NHWC)"
+            raise ConfigError(f"ResNet input has {x.shape[-1]} channels (shape {tuple(x.shape)}, NHWC) but the "
+                              f"variables' conv1 kernel takes {want}: {fix}")
         if x.shape[1] == 0 or x.shape[2] == 0:
             raise ConfigError(f"ResNet input has no pixels: shape {tuple(x.shape)} (NHWC); pass images of at least "
                               "1x1 (torch refuses this too)")
@@ -336,6 +352,12 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
     spec = ARCHS[arch]
 
     def make(num_classes: int = 1000, **kwargs) -> ResNet:
+        if kwargs.pop("norm_layer", None) is not None:  # None is torchvision's default, BatchNorm2d
+            # The dataclass said only "unexpected keyword argument 'norm_layer'".
+            raise ConfigError("`norm_layer` is not supported: jaxport's ResNets use torchvision's default "
+                              "BatchNorm2d (eps 1e-5, momentum 0.1); for SyncBatchNorm pass "
+                              "bn_axis_name='data', for FrozenBatchNorm2d (a BatchNorm always in eval mode) "
+                              "apply the model with train=False or fold it (jaxport.models.build_folded)")
         fixed = {"groups": spec.groups, "width_per_group": spec.width_per_group}
         for key, value in fixed.items():
             if key in kwargs and kwargs[key] != value:
