@@ -285,10 +285,16 @@ def _cmd_verify(args) -> int:
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
+        reports = []
         try:
-            reports = torch_compat.cross_check(state_dict, variables, arch=arch, modes=modes,
-                                               batch_size=args.batch_size, image_size=args.image_size,
-                                               rtol=args.rtol, train_rtol=args.train_rtol)
+            for mode in modes:  # one at a time: eval's table is shown even if train mode is refused
+                reports += torch_compat.cross_check(state_dict, variables, arch=arch, modes=(mode,),
+                                                    batch_size=args.batch_size, image_size=args.image_size,
+                                                    rtol=args.rtol, train_rtol=args.train_rtol)
+        except ConfigError:  # e.g. train mode at inputs too small for any comparison to mean anything
+            if reports:
+                _print_reports(reports)
+            raise
         except (MemoryError, RuntimeError) as e:  # XLA's RESOURCE_EXHAUSTED, torch's allocator
             if not (isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "allocate" in str(e)):
                 raise

@@ -107,6 +107,20 @@ def test_verify_compares_the_port_tensor_by_tensor(tmp_path, resnet18_checkpoint
     assert "note: at --image-size 16 layer4's maps are 1x1, so the outer taps of its 3x3 kernels" in out
 
 
+def test_verify_shows_eval_before_refusing_train_mode_at_tiny_inputs(tmp_path, resnet18_checkpoint, capsys):
+    """At 1 px torch's own float32 train mode is as far off its float64 as the values are large,
+    so cross_check refuses train mode there; --mode both still shows the eval table first."""
+    good = jaxport.save_variables(tmp_path / "good.safetensors",
+                                  torch_compat.torch_to_flax(reference("resnet18").state_dict()), arch="resnet18")
+    code = main(["verify", str(resnet18_checkpoint), str(good), "--mode", "both", "--image-size", "1",
+                 "--batch-size", "2"])
+    captured = capsys.readouterr()
+    assert code != 0
+    assert "eval" in captured.out and "logits" in captured.out, captured.out
+    assert "train mode cannot be cross-checked at `batch_size` (=2) and `image_size` (=1)" in captured.err, captured.err
+    assert "Traceback" not in captured.err
+
+
 def test_export_needs_an_arch_when_the_file_has_none(tmp_path, capsys):
     path = jaxport.save_variables(tmp_path / "v.safetensors",
                                   torch_compat.torch_to_flax(reference("resnet18").state_dict()))
