@@ -3,19 +3,137 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import math
 import os
+import re
 import sys
 
+from ..models import ARCHS
 from ._loop import Interrupted, TrainConfig, train
 
 
-def _batch_size(text: str):
-    if text == "auto":
-        return "auto"
+# `--dtype` and `--arch` take exact names (a near miss is refused, naming the one meant); `--batch-size`
+# takes 'auto' in any case: a mode, not a name.
+_DTYPES = ("float32", "bfloat16")
+_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32", "float": "float32"}
+_NO_FLOAT16 = " (float16 is not supported for training: bfloat16 is the half-precision one)"
+# Settings of the library's `TrainConfig` that are no flag, and how to get them from the command line.
+_NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the others to use fewer "
+                           "(e.g. CUDA_VISIBLE_DEVICES=0,1), or call jaxport.train.train(TrainConfig(devices=N))",
+              "--memory-limit-bytes": "--batch-size auto measures against the device's memory; for another limit "
+                                      "call jaxport.train.train(TrainConfig(memory_limit_bytes=N))"}
+# The smallest value each integer flag takes, said in its type error (TrainConfig checks ranges).
+_MINIMUM = {"--epochs": 1, "--image-size": 1, "--seed": 0, "--checkpoint-every": 1, "--keep-checkpoints": 1,
+            "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0}
+
+
+def _shown(text: str) -> str:
+    """A value as the user typed it: a number plainly (1.5), anything else quoted ('', 'abc')."""
     try:
-        return int(text)
+        float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"`--batch-size` (={text!r}) must be an integer or 'auto'") from None
+        return repr(text)
+    return text
+
+
+def _closest(text: str, names) -> str | None:
+    """The name `text` most likely meant: the same letters and digits in another case or with other
+    separators (resnet-18, ResNet18, BFLOAT16), a known alias (bf16), else the nearest spelling."""
+    key = lambda name: re.sub(r"[^a-z0-9]", "", name.lower())  # noqa: E731
+    same = [n for n in names if key(n) == key(text)]
+    if same:
+        return same[0]
+    if _ALIASES.get(key(text)) in names:
+        return _ALIASES[key(text)]
+    close = difflib.get_close_matches(text.lower(), list(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _name(flag: str, names, unsupported: dict | None = None):
+    def parse(text: str) -> str:
+        if text in names:
+            return text
+        why = (unsupported or {}).get(text.lower(), "")
+        guess = _closest(text, names)
+        fix = f"; did you mean {flag} {guess}?" if guess else ""
+        raise argparse.ArgumentTypeError(f"`{flag}` (={text!r}) must be one of {', '.join(names)}{why}{fix}")
+    return parse
+
+
+def _integer(flag: str, expected: str = ""):
+    expected = expected or f"an integer >= {_MINIMUM[flag]}"
+
+    def parse(text: str) -> int:
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:  # 8.0 and 1e3 say an integer; 1.5 is two integers away
+            number = float(text)
+        except ValueError:
+            fix = ""
+        else:
+            if not math.isfinite(number):
+                fix = ""
+            elif number == int(number):
+                fix = f"; use {flag} {int(number)}"
+            else:
+                fix = f"; use {flag} {math.floor(number)} or {flag} {math.ceil(number)}"
+        raise argparse.ArgumentTypeError(f"`{flag}` (={_shown(text)}) must be {expected}{fix}")
+    return parse
+
+
+def _real(flag: str, example: float):
+    def parse(text: str) -> float:
+        try:
+            return float(text)  # NaN, inf and the range are TrainConfig's to refuse, naming the flag
+        except ValueError:
+            pass
+        try:  # a decimal comma: 0,1
+            fix = f"; use {flag} {float(text.replace(',', '.'))!r}"
+        except ValueError:
+            fix = f", e.g. {flag} {example!r}"
+        raise argparse.ArgumentTypeError(f"`{flag}` (={text!r}) must be a number{fix}")
+    return parse
+
+
+def _batch_size(text: str):
+    if text.strip().lower() == "auto":
+        return "auto"
+    return _integer("--batch-size", "a positive integer or 'auto'")(text)
+
+
+class _TrainParser(argparse.ArgumentParser):
+    """`jaxport train`'s parser: every refusal is one line, `jaxport: error: ...`, exit status 2,
+    as a refusal of the settings themselves is (argparse printed its whole usage block first, and
+    left unknown flags to the top-level parser, which could not suggest the flag meant)."""
+
+    def error(self, message: str):
+        # A type error is already written as "`--flag` (=value) must be ...": argparse's
+        # "argument --flag: " in front of it would say the flag twice.
+        message = re.sub(r"^argument [^:]+: (?=`)", "", message)
+        if not message.startswith("`"):
+            message += "; see `jaxport train --help`"
+        self.exit(2, f"jaxport: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unknown(extras))
+        return namespace, extras
+
+    def _unknown(self, extras: list[str]) -> str:
+        first = extras[0]
+        if not first.startswith("-"):
+            return (f"`jaxport train` takes no positional arguments (got {first!r}); every setting is a flag, e.g. "
+                    f"--data {first}")
+        flag = first.partition("=")[0]
+        if flag in _NOT_FLAGS:
+            return f"`{flag}` is not a `jaxport train` flag: {_NOT_FLAGS[flag]}"
+        guess = _closest(flag, [s for s in self._option_string_actions if s.startswith("--")])
+        fix = f"did you mean {guess}?" if guess else "see `jaxport train --help` for the flags"
+        return f"`{flag}` is not a `jaxport train` flag; {fix}"
 
 
 def add_parser(subparsers) -> None:
@@ -24,38 +142,59 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD)",
         description="Train data-parallel over all devices. With no --data, trains on the handwritten digits "
-                    "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", default=None, help="ImageFolder directory (one sub-folder per class, or train/ and val/ "
-                                                 "(or validation/, valid/))")
-    p.add_argument("--arch", default=d.arch, help="torchvision ResNet name")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--batch-size", type=_batch_size, default=d.batch_size,
-                   help="global batch (divisible by the device count) or 'auto'")
-    p.add_argument("--image-size", type=int, default=d.image_size)
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate (cosine annealed per epoch)")
-    p.add_argument("--momentum", type=float, default=d.momentum)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--workdir", required=True, help="checkpoints, metrics.jsonl and training_curves.png go here")
+                    "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy.")
+    # `add_parser` builds with the top-level parser's class: this one's errors are one line.
+    p.__class__ = _TrainParser
+    p.add_argument("--data", default=None, metavar="DIR",
+                   help="ImageFolder directory (one sub-folder per class, or train/ and val/ (or validation/, "
+                        "valid/)) (default: the handwritten digits scikit-learn ships)")
+    p.add_argument("--arch", default=d.arch, type=_name("--arch", list(ARCHS)), metavar="ARCH",
+                   help=f"torchvision ResNet name: one of {', '.join(ARCHS)} (default: %(default)s)")
+    p.add_argument("--epochs", type=_integer("--epochs"), default=d.epochs, metavar="N",
+                   help="epochs; the cosine schedule ends at the last (default: %(default)s)")
+    p.add_argument("--batch-size", type=_batch_size, default=d.batch_size, metavar="N",
+                   help="global batch (divisible by the device count), or 'auto': the largest that fits "
+                        "(default: %(default)s)")
+    p.add_argument("--image-size", type=_integer("--image-size"), default=d.image_size, metavar="PIXELS",
+                   help="side of the square training images (default: %(default)s)")
+    p.add_argument("--lr", type=_real("--lr", d.lr), default=d.lr,
+                   help="peak learning rate (cosine annealed per epoch) (default: %(default)s)")
+    p.add_argument("--momentum", type=_real("--momentum", d.momentum), default=d.momentum,
+                   help="SGD momentum (default: %(default)s)")
+    p.add_argument("--weight-decay", type=_real("--weight-decay", d.weight_decay), default=d.weight_decay,
+                   help="SGD weight decay (L2, as torch's) (default: %(default)s)")
+    p.add_argument("--seed", type=_integer("--seed"), default=d.seed,
+                   help="initialisation, data order and augmentation (default: %(default)s)")
+    p.add_argument("--workdir", required=True, metavar="DIR",
+                   help="checkpoints, metrics.jsonl and training_curves.png go here (required)")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across devices")
-    p.add_argument("--init", default=None,
+    p.add_argument("--init", default=None, metavar="PATH",
                    help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
-                        "finds a checkpoint)")
+                        "finds a checkpoint) (default: a fresh initialisation from --seed)")
     p.add_argument("--trusted", action="store_true",
                    help="allow a full unpickle of the --init checkpoint (runs code from the file): only for files you trust")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=d.dtype, help="compute dtype")
-    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, help="steps between checkpoints")
-    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints)
-    p.add_argument("--workers", type=int, default=None, help="DataLoader worker processes (ImageFolder)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this global step")
+    p.add_argument("--dtype", type=_name("--dtype", _DTYPES, {"float16": _NO_FLOAT16, "fp16": _NO_FLOAT16}),
+                   default=d.dtype, metavar="DTYPE",
+                   help=f"compute dtype: {' or '.join(_DTYPES)} (default: %(default)s)")
+    p.add_argument("--checkpoint-every", type=_integer("--checkpoint-every"), default=d.checkpoint_every,
+                   metavar="STEPS", help="steps between checkpoints; also at each epoch end (default: %(default)s)")
+    p.add_argument("--keep-checkpoints", type=_integer("--keep-checkpoints"), default=d.keep_checkpoints,
+                   metavar="N", help="checkpoints kept, the latest ones (default: %(default)s)")
+    p.add_argument("--workers", type=_integer("--workers"), default=None, metavar="N",
+                   help="DataLoader worker processes for --data; 0 loads in the main process (default: one per usable "
+                        "CPU, at most 4)")
+    p.add_argument("--max-steps", type=_integer("--max-steps"), default=None, metavar="STEP",
+                   help="stop after this global step (default: train every epoch)")
     p.add_argument("--no-progress", dest="progress", action="store_false", default=None,
                    help="no progress bar (by default there is one when stderr is a terminal; logs get the "
                         "per-epoch lines only)")
-    p.add_argument("--coordinator", default=None, help="multi-process: coordinator host:port")
-    p.add_argument("--num-processes", type=int, default=None)
-    p.add_argument("--process-id", type=int, default=None)
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="multi-process: the coordinator's address (with --num-processes and --process-id)")
+    p.add_argument("--num-processes", type=_integer("--num-processes"), default=None, metavar="N",
+                   help="multi-process: how many processes train together")
+    p.add_argument("--process-id", type=_integer("--process-id"), default=None, metavar="ID",
+                   help="multi-process: this process's index, 0 to --num-processes - 1")
     p.set_defaults(func=run)
 
 

@@ -1,0 +1,177 @@
+"""`jaxport train`'s flags as a user types them: a refusal is one line naming the flag, the value,
+what was expected and the fix, exit status 2, no traceback, and nothing written to --workdir.
+
+Refused runs never train: argparse refuses them, or `TrainConfig`'s checks do before any work.
+Values that parse are checked through the parsed `TrainConfig` (`config_from_args`), not a run.
+"""
+import re
+
+import pytest
+
+from jaxport._cli import build_parser, main
+from jaxport.train import TrainConfig
+from jaxport.train._cli import config_from_args
+
+
+def _refused(capsys, tmp_path, *flags) -> str:
+    """The one-line error `jaxport train --workdir W *flags` exits with (status 2)."""
+    workdir = tmp_path / "w"
+    try:
+        code = main(["train", "--workdir", str(workdir), "--no-progress", *flags])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    captured = capsys.readouterr()
+    assert code == 2, (code, captured.err)
+    assert captured.out == ""
+    assert captured.err.startswith("jaxport: error: ") and captured.err.count("\n") == 1, captured.err
+    assert "Traceback" not in captured.err and "usage:" not in captured.err
+    assert not workdir.exists()
+    return captured.err.removeprefix("jaxport: error: ").rstrip("\n")
+
+
+def _parsed(*flags) -> TrainConfig:
+    return config_from_args(build_parser().parse_args(["train", "--workdir", "w", *flags]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    # argparse printed its 11-line usage block, then "invalid int value: '1.5'" with no fix.
+    (["--epochs", "1.5"], "`--epochs` (=1.5) must be an integer >= 1; use --epochs 1 or --epochs 2"),
+    (["--epochs", "1e3"], "`--epochs` (=1e3) must be an integer >= 1; use --epochs 1000"),
+    (["--epochs", ""], "`--epochs` (='') must be an integer >= 1"),
+    (["--epochs", "inf"], "`--epochs` (=inf) must be an integer >= 1"),
+    (["--image-size", "16.0"], "`--image-size` (=16.0) must be an integer >= 1; use --image-size 16"),
+    (["--seed", "abc"], "`--seed` (='abc') must be an integer >= 0"),
+    (["--workers", "1.5"], "`--workers` (=1.5) must be an integer >= 0; use --workers 1 or --workers 2"),
+    (["--max-steps", "2.0"], "`--max-steps` (=2.0) must be an integer >= 1; use --max-steps 2"),
+    (["--checkpoint-every", "x"], "`--checkpoint-every` (='x') must be an integer >= 1"),
+    (["--keep-checkpoints", "3.5"], "`--keep-checkpoints` (=3.5) must be an integer >= 1; use --keep-checkpoints 3 "
+                                    "or --keep-checkpoints 4"),
+    (["--batch-size", "8.0"], "`--batch-size` (=8.0) must be a positive integer or 'auto'; use --batch-size 8"),
+    (["--batch-size", ""], "`--batch-size` (='') must be a positive integer or 'auto'"),
+    (["--lr", ""], "`--lr` (='') must be a number, e.g. --lr 0.05"),
+    (["--lr", "abc"], "`--lr` (='abc') must be a number, e.g. --lr 0.05"),
+    (["--lr", "0,1"], "`--lr` (='0,1') must be a number; use --lr 0.1"),  # a decimal comma
+    (["--momentum", "x"], "`--momentum` (='x') must be a number, e.g. --momentum 0.9"),
+    (["--weight-decay", "0,0005"], "`--weight-decay` (='0,0005') must be a number; use --weight-decay 0.0005"),
+])
+def test_a_value_of_the_wrong_type_is_one_line_with_the_fix(capsys, tmp_path, flags, message):
+    assert _refused(capsys, tmp_path, *flags) == message
+
+
+ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, resnext101_32x8d, resnext101_64x4d, "
+         "wide_resnet50_2, wide_resnet101_2")
+
+
+@pytest.mark.parametrize("flags, message", [
+    # --arch was refused by the library with the list only; --dtype by argparse's usage block.
+    (["--arch", "resnet-18"], f"`--arch` (='resnet-18') must be one of {ARCHS}; did you mean --arch resnet18?"),
+    (["--arch", "ResNet50"], f"`--arch` (='ResNet50') must be one of {ARCHS}; did you mean --arch resnet50?"),
+    (["--arch", "resnet19"], f"`--arch` (='resnet19') must be one of {ARCHS}; did you mean --arch resnet18?"),
+    (["--arch", "wide_resnet50"], f"`--arch` (='wide_resnet50') must be one of {ARCHS}; did you mean "
+                                  "--arch wide_resnet50_2?"),
+    (["--arch", ""], f"`--arch` (='') must be one of {ARCHS}"),
+    (["--dtype", "bf16"], "`--dtype` (='bf16') must be one of float32, bfloat16; did you mean --dtype bfloat16?"),
+    (["--dtype", "BFLOAT16"], "`--dtype` (='BFLOAT16') must be one of float32, bfloat16; did you mean "
+                              "--dtype bfloat16?"),
+    (["--dtype", "float16"], "`--dtype` (='float16') must be one of float32, bfloat16 (float16 is not supported for "
+                             "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
+])
+def test_a_misspelt_name_suggests_the_closest(capsys, tmp_path, flags, message):
+    assert _refused(capsys, tmp_path, *flags) == message
+
+
+@pytest.mark.parametrize("flags, message", [
+    # These reached the top-level parser: "usage: jaxport ..." and "unrecognized arguments", no fix.
+    (["--batchsize", "8"], "`--batchsize` is not a `jaxport train` flag; did you mean --batch-size?"),
+    (["--sync_bn"], "`--sync_bn` is not a `jaxport train` flag; did you mean --sync-bn?"),
+    (["--weight_decay=0"], "`--weight_decay` is not a `jaxport train` flag; did you mean --weight-decay?"),
+    (["--devices", "2"], "`--devices` is not a `jaxport train` flag: jaxport train uses every device jax sees: hide "
+                         "the others to use fewer (e.g. CUDA_VISIBLE_DEVICES=0,1), or call "
+                         "jaxport.train.train(TrainConfig(devices=N))"),
+    (["data/"], "`jaxport train` takes no positional arguments (got 'data/'); every setting is a flag, e.g. "
+                "--data data/"),
+    # argparse's own errors stay argparse's words, on one line, pointing at the help.
+    (["--epochs"], "argument --epochs: expected one argument; see `jaxport train --help`"),
+    (["--w", "x"], "ambiguous option: --w could match --weight-decay, --workdir, --workers; see "
+                   "`jaxport train --help`"),
+])
+def test_unknown_flags_and_argparse_errors_are_one_line_with_the_fix(capsys, tmp_path, flags, message):
+    assert _refused(capsys, tmp_path, *flags) == message
+
+
+def test_a_missing_workdir_is_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--epochs", "1"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("jaxport: error: the following arguments are required: --workdir; see "
+                                       "`jaxport train --help`\n")
+
+
+@pytest.mark.parametrize("flags, message", [
+    # Parsed, then refused by `TrainConfig`'s checks before any work: the same one-line shape.
+    (["--epochs", "0"], "`--epochs` (=0) must be >= 1"),
+    (["--batch-size", "-8"], "`--batch-size` (=-8) must be a positive integer or 'auto'"),
+    (["--lr", "nan"], "`--lr` (=nan) must be a finite number > 0"),
+    (["--lr", "1e400"], "`--lr` (=inf) must be a finite number > 0"),
+    (["--lr=0.1", "--lr", "-1"], "`--lr` (=-1.0) must be a finite number > 0"),  # the last one given counts
+    (["--seed", "99999999999999999999"], "`--seed` (=99999999999999999999) must be an integer from 0 to 2**63 - 1"),
+    (["--data", ""], "`--data` (='') must be a path, or None"),
+])
+def test_out_of_range_values_are_refused_before_any_work(capsys, tmp_path, flags, message):
+    assert _refused(capsys, tmp_path, *flags) == message
+
+
+def test_data_that_is_a_file_or_holds_no_classes_is_refused(capsys, tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    assert _refused(capsys, tmp_path, "--data", str(tmp_path / "notes.txt")).startswith(
+        f"`--data` (={tmp_path / 'notes.txt'}) is not a directory; pass an ImageFolder directory")
+    (tmp_path / "empty").mkdir()
+    assert _refused(capsys, tmp_path, "--data", str(tmp_path / "empty")).startswith(
+        f"`--data` (={tmp_path / 'empty'}) holds no images: expected one sub-folder per class")
+
+
+def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
+    (tmp_path / "f").write_text("x")
+    assert _refused(capsys, tmp_path, "--data", str(tmp_path), "--workdir", str(tmp_path / "f" / "run")) == (
+        f"`--workdir` (={tmp_path / 'f' / 'run'}) is inside '{tmp_path / 'f'}', which is a file, not a directory; "
+        "pass a new or existing directory")
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["--batch-size", "auto"], "batch_size", "auto"),
+    (["--batch-size", "AUTO"], "batch_size", "auto"),  # was refused: a mode word, any case
+    (["--batch-size", "Auto"], "batch_size", "auto"),
+    (["--batch-size", "32"], "batch_size", 32),
+    (["--lr", "1e-1"], "lr", 0.1),
+    (["--lr", ".1"], "lr", 0.1),
+    (["--epochs", "2", "--epochs", "3"], "epochs", 3),  # argparse's convention: the last one given
+    (["--epoch", "2"], "epochs", 2),  # an unambiguous prefix, as argparse allows
+    (["--dtype", "bfloat16"], "dtype", "bfloat16"),
+    (["--arch", "wide_resnet50_2"], "arch", "wide_resnet50_2"),
+])
+def test_values_that_parse(flags, field, value):
+    assert getattr(_parsed(*flags), field) == value
+
+
+def test_help_shows_every_flag_with_its_real_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    train = build_parser()._subparsers._group_actions[0].choices["train"]
+    defaults = TrainConfig(workdir="w")
+    for action in train._actions:
+        flag = action.option_strings[-1]
+        if flag == "--help":
+            continue
+        assert action.help, f"{flag} has no help text"
+        assert flag in text
+        if action.dest in TrainConfig.__dataclass_fields__ and action.dest not in ("progress", "workdir"):
+            # The default the parser gives is the library's (a CLI run and train(TrainConfig()) agree).
+            assert action.default == getattr(defaults, action.dest), flag
+        if action.default not in (None, False) and action.dest != "workdir":
+            assert f"(default: {action.default})" in text, flag
+    # Defaults of None were shown as "(default: None)", a required --workdir included, and flags
+    # without help showed no default at all (--epochs, --image-size, --momentum, --seed, ...).
+    assert "None" not in text
+    assert "(default: 6)" in text and "(default: 32)" in text and "(default: 0.9)" in text
+    assert "(default: 0.0005)" in text and "(default: 0)" in text and "(default: 3)" in text
