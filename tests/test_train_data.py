@@ -196,3 +196,18 @@ def test_images_outside_class_folders_and_files_gone_since_the_scan_are_told_as_
     with pytest.raises(ConfigError, match=rf"image {gone} cannot be read \(FileNotFoundError: .*\), though it could "
                                           r"when the run started; restore it \(or its permissions\), or remove it"):
         data.train.load(range(data.train.num_examples), 0)
+
+
+def test_digits_refuse_an_image_size_whose_upsampled_set_cannot_fit(monkeypatch):
+    """--image-size 10000 upsampled all 1797 digits up front (~2 TB) until the kernel killed the
+    run; it is refused before anything is allocated, with the largest size that fits."""
+    monkeypatch.setattr(_data, "_available_memory", lambda: 4 * 2**30)
+    with pytest.raises(ConfigError, match=r"`--image-size` \(=10000\) would need 4016\.\d GiB .* 4\.0 GiB of memory "
+                                          r"is available; use --image-size 315 or less"):
+        _data.digits(10000)
+    assert _data.digits(8).train.num_examples > 0  # the small sizes it is meant for still load
+
+
+def test_digits_refuse_images_smaller_than_the_digits():
+    with pytest.raises(ConfigError, match=r"`--image-size` \(=7\) must be >= 8 .* use --image-size 8 or more"):
+        _data.digits(7)

@@ -94,6 +94,18 @@ def _resize_bilinear(images: np.ndarray, size: int) -> np.ndarray:
     return rows[:, :, x0] * (1 - tx) + rows[:, :, x1] * tx
 
 
+def _available_memory() -> int | None:
+    """Bytes of memory available now (Linux's MemAvailable), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Data:
     """scikit-learn's handwritten digits (1797 8x8 images, 10 classes) as RGB `image_size` px.
 
@@ -105,7 +117,17 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
     from sklearn.datasets import load_digits
 
     if image_size < 8:
-        raise ConfigError(f"`image_size` (={image_size}) must be >= 8 for the digits")
+        raise ConfigError(f"`--image-size` (={image_size}) must be >= 8 for the digits (8x8 images); use "
+                          "--image-size 8 or more (the default, 32, reaches >= 95%)")
+    # All 1797 images are upsampled up front (they are small at the sizes they are meant for); at
+    # 10000 px that would be ~2 TB, growing until the kernel killed the process: refuse it first.
+    need = 2 * 1797 * image_size * image_size * 3 * 4  # the RGB float32 set, and its copy while made
+    free = _available_memory()
+    if free is not None and need > free:
+        fits = int((free / (2 * 1797 * 3 * 4)) ** 0.5)
+        raise ConfigError(f"`--image-size` (={image_size}) would need {need / 2**30:.1f} GiB to hold the digits "
+                          f"upsampled, and {free / 2**30:.1f} GiB of memory is available; use --image-size {fits} "
+                          "or less (the digits are 8x8 images; the default, 32, reaches >= 95%)")
     d = load_digits()
     images = _resize_bilinear(d.images.astype(np.float32) / 16.0, image_size)
     images = ((np.repeat(images[..., None], 3, axis=-1) - MEAN) / STD).astype(np.float32)
