@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxport._errors import CheckpointError, DivergedError
+from jaxport._errors import CheckpointError, ConfigError, DivergedError
 from jaxport.train import TrainConfig, load_workdir, train
 from jaxport.train import _checkpoint, _loop
 from tests.helpers import write_images
@@ -205,3 +205,13 @@ def test_resume_completes_a_workdir_killed_before_its_final_files(tmp_path, data
     assert _rows(work) == [reference[1][0], reference[1][2]]
     assert f"--resume: {work / 'metrics.jsonl'} holds no row for epoch(s) 2; they cannot be recomputed, and the " \
            "plot will miss them" in said, said
+
+
+def test_a_workdir_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    """`--workdir /proc/x` failed only when the first checkpoint was written, after the data was
+    loaded and the step compiled, with a bare 'No such file or directory'."""
+    monkeypatch.setattr(_loop._data, "digits", lambda *a, **k: pytest.fail("the data was loaded"))
+    with pytest.raises(ConfigError, match=r"`--workdir` \(=/proc/jaxport-x\) cannot be written: its directory "
+                                          r"'/proc/jaxport-x' does not exist and cannot be made: '/proc' does not "
+                                          r"accept new directories"):
+        train(TrainConfig(workdir="/proc/jaxport-x", progress=False))

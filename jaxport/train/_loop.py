@@ -20,7 +20,7 @@ import numpy as np
 
 from .._args import finite, is_int, is_real
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
-from .._io import atomic_path, save_variables
+from .._io import atomic_path, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _memory
 from ._init import fit_head, load_init
@@ -136,6 +136,10 @@ def _check_workdir(cfg: TrainConfig) -> None:
             raise ConfigError(f"`--init` (={cfg.init}) is among the files `--workdir` (={cfg.workdir}) is written "
                               "with, and this run would replace it; copy it out of the workdir first, or choose "
                               "another --workdir")
+    # Asked now, not when the first checkpoint is written after loading the data and compiling.
+    blocked = unwritable(os.path.join(work, "metrics.jsonl"))
+    if blocked:
+        raise ConfigError(f"`--workdir` (={cfg.workdir}) cannot be written: {blocked}; choose another directory")
     if cfg.resume or not os.path.isdir(work):
         return
     held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))]
