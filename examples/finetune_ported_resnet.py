@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxport import JaxportError  # noqa: E402
 from jaxport.models import build  # noqa: E402
 from jaxport.train import TrainConfig, digits, load_workdir, train  # noqa: E402
-from torch_compat import flax_to_torch  # noqa: E402
+from torch_compat import detect_arch, flax_to_torch, load_state_dict  # noqa: E402
 
 
 def main():
@@ -51,6 +51,11 @@ def main():
     # 2. Fine-tune in JAX, data-parallel over all devices; `init` ports the torch checkpoint and
     #    re-initialises the 1000-class head for the 10 digit classes (a message says so).
     run = os.path.join(work, "run")
+    if os.path.isdir(run) and os.listdir(run):  # train() would suggest --resume, which this script does not have
+        p.error(f"--workdir (={work}) already holds a run in {run}; choose a new directory (nothing was changed)")
+    if args.checkpoint is not None and (found := detect_arch(load_state_dict(ckpt))) != "resnet18":
+        p.error(f"--checkpoint (={ckpt}) holds {found} weights; this example fine-tunes a resnet18 "
+                f"(for other architectures use `jaxport train --arch {found} --init {ckpt}`)")
     result = train(TrainConfig(workdir=run, init=ckpt, arch="resnet18", epochs=args.epochs, image_size=args.image_size,
                                batch_size=64, lr=args.lr, max_steps=args.max_steps, progress=sys.stderr.isatty()))
     if "val_acc" in result:

@@ -8,6 +8,7 @@ DataParallel training run). No pretrained weights can be downloaded here, so the
 is that torch and JAX make the same one. The photo is a real one that ships with scikit-learn.
 """
 import argparse
+import os
 import sys
 
 import jax
@@ -27,9 +28,13 @@ def main() -> int:
     parser.add_argument("checkpoint", nargs="?")
     parser.add_argument("--out", default="ported.safetensors")
     args = parser.parse_args()
+    path = args.checkpoint or torch_compat.default_checkpoint()
+    # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
+    # writing over the checkpoint itself would destroy it.
+    if os.path.exists(args.out) and os.path.exists(path) and os.path.samefile(args.out, path):
+        parser.error(f"--out (={args.out}) is the checkpoint itself; name another file")
 
     # 1. Load safely (weights-only unpickler; `module.`/`_orig_mod.` stripped) and convert.
-    path = args.checkpoint or torch_compat.default_checkpoint()
     state_dict = torch_compat.load_state_dict(path)
     arch = torch_compat.detect_arch(state_dict)
     variables = torch_compat.torch_to_flax(state_dict, arch)

@@ -9,6 +9,7 @@ loss: the script prints both and exits non-zero if they differ beyond float32 ro
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def jax_ssd_classification_loss(cls_logits: jax.Array, cls_targets: jax.Array):
 
 
 def main() -> int:
+    # no options: parsing still gives `--help` and refuses a stray argument instead of ignoring it
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rng = np.random.default_rng(0)
     batch, anchors, num_classes = 8, 8732, 21  # SSD300 on VOC
     logits = (rng.standard_normal((batch, anchors, num_classes)) * 2).astype(np.float32)

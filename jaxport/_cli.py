@@ -11,7 +11,6 @@ import math
 import os
 import shlex
 import signal
-import stat
 import sys
 import time
 import warnings
@@ -90,6 +89,8 @@ def _check_output(out: Path, src: Path, what: str) -> None:
     """Refuse an output path that would destroy the input, that is a directory, or whose
     directory cannot be made or written (a parent is a file, no permission, a read-only file
     system): before any work, so a refusal costs nothing."""
+    from ._io import file_kind, unwritable
+
     inside_run = src.is_dir() and any(
         out.resolve() == (src / name).resolve() or out.resolve().is_relative_to((src / name).resolve())
         for name in _WORKDIR_FILES)
@@ -99,25 +100,16 @@ def _check_output(out: Path, src: Path, what: str) -> None:
     if out.is_dir():
         raise ConfigError(f"`--out` (={out}) is a directory; pass a file path, e.g. {out / 'model.safetensors'}")
     if out.exists() and not out.is_file():  # --force replaces files, never a device, FIFO or socket
-        raise ConfigError(f"`--out` (={out}) exists and is {_file_kind(out)}, not a regular file; nothing was "
+        raise ConfigError(f"`--out` (={out}) exists and is {file_kind(out)}, not a regular file; nothing was "
                           "replaced (not even with --force): choose another output path")
     blocking = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise ConfigError(f"`--out` (={out}) cannot be written: '{blocking}' is a file, not a directory; "
                           "choose another output path")
-    from ._io import unwritable
-
     reason = unwritable(out)
     if reason is not None:
         raise ConfigError(f"`--out` (={out}) cannot be written: {reason}; choose another output path, or make "
                           "the directory writable")
-
-
-def _file_kind(path: Path) -> str:
-    mode = path.stat().st_mode
-    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
-    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 def _out_path(text: str) -> Path:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -23,7 +24,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from ._errors import CheckpointError
+from ._errors import CheckpointError, ConfigError
 
 FORMAT = "jaxport.variables"
 _DTYPES = {
@@ -108,6 +109,14 @@ def unwritable(path: str | os.PathLike) -> str | None:
     return None
 
 
+def file_kind(path: str | os.PathLike) -> str:
+    """What a path that is not a regular file or directory is, in words ("a FIFO (named pipe)")."""
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
@@ -123,6 +132,11 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
         had its default action), after the temporary file was removed: a KeyboardInterrupt.
     """
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        # The rename would replace a device such as /dev/null, a FIFO or a socket (as root, even
+        # /dev/null itself); a directory makes the rename fail, naming `path`.
+        raise OSError(errno.EEXIST, f"exists and is {file_kind(path)}, not a regular file; nothing was written "
+                      "(choose a file path)", str(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if nbytes is not None:
@@ -207,7 +221,19 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
 
     Returns:
       The path written.
+
+    Raises:
+      ConfigError: `path` ends in a path separator (it names a directory), is a directory, or
+        exists and is not a regular file (a device such as /dev/null, a FIFO, a socket), which
+        the atomic rename would replace; nothing is written.
+      OSError: the file cannot be written (no space, no permission), naming `path`.
     """
+    if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
+        raise ConfigError(f"`path` (={path}) names a directory; pass a file path in it, e.g. "
+                          f"{Path(path) / 'model.safetensors'}")
+    if Path(path).exists() and not Path(path).is_file():
+        raise ConfigError(f"`path` (={path}) exists and is {file_kind(path)}, not a regular file, which writing "
+                          "would replace; nothing was written: choose a file path")
     if not isinstance(variables, Mapping):
         raise TypeError(f"`variables` is {type(variables).__module__}.{type(variables).__qualname__}; expected Flax "
                         "variables, nested dicts of arrays such as {'params': ..., 'batch_stats': ...}")

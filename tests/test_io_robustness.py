@@ -204,3 +204,37 @@ def test_env_with_jax_platforms_cuda_and_no_cuda_plugin_prints_its_report():
     assert "warning: jax failed to initialise its devices: " in proc.stdout, proc.stdout
     assert proc.stdout.splitlines()[0].startswith("python "), proc.stdout
     assert "internal error" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("target", ["fifo", "dev_null_link", "trailing_slash", "directory"])
+def test_save_variables_never_replaces_a_device_fifo_or_directory(tmp_path, target):
+    """save_variables renames its temporary file onto `path`: as root, `save_variables("/dev/null",
+    ...)` replaced the device with a regular file, a FIFO became a file, and "newdir/" a file named
+    newdir. `jaxport port` refused these already; the library function now does too."""
+    from jaxport import ConfigError
+
+    if target == "fifo":
+        path = tmp_path / "pipe"
+        os.mkfifo(path)
+        match = r"exists and is a FIFO \(named pipe\), not a regular file"
+    elif target == "dev_null_link":  # never /dev/null itself: were the check broken, the test would break it
+        path = tmp_path / "null"
+        path.symlink_to("/dev/null")
+        match = r"exists and is a character device, not a regular file"
+    elif target == "trailing_slash":
+        path = str(tmp_path / "newdir") + os.sep
+        match = r"names a directory; pass a file path in it"
+    else:
+        path = tmp_path
+        match = r"names a directory"
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ConfigError, match=match):
+        jaxport.save_variables(path, {"params": {"w": np.zeros(3, np.float32)}})
+    assert sorted(os.listdir(tmp_path)) == before
+    if target == "dev_null_link":
+        assert os.path.islink(tmp_path / "null")
+    # The guard under every writer, atomic_path, refuses the same targets.
+    if target in ("fifo", "dev_null_link"):
+        with pytest.raises(OSError, match="not a regular file; nothing was written"):
+            with atomic_path(path):
+                pass
