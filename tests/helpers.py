@@ -24,3 +24,18 @@ def write_images(folder, n: int, start: int = 0, size: tuple[int, int] = (20, 24
     rng = np.random.default_rng(start)
     for i in range(start, start + n):
         Image.fromarray(rng.integers(0, 255, (*size, 3), dtype=np.uint8)).save(os.path.join(folder, f"{i}.png"))
+
+
+def torch_lrs(make_sched, n: int, lr: float = 0.1) -> np.ndarray:
+    """The learning rate torch's scheduler `make_sched(optimizer)` gives at each of `n` steps
+    (read before each `optimizer.step(); scheduler.step()`, as a training loop sees it)."""
+    import torch
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+    sched = make_sched(opt)
+    lrs = []
+    for _ in range(n):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return np.array(lrs)

@@ -20,6 +20,7 @@ from torchvision.models.resnet import ResNet as TorchResNet
 import torch_compat
 from jaxport import models
 from jaxport._errors import ConfigError, ConversionError
+from torch_compat._reference import calibrate
 from tests.helpers import reference
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -38,18 +39,7 @@ def _close(got, expected, rtol=RTOL):
 
 
 def _calibrated(model: torch.nn.Module, seed: int = 0, size: int = 40) -> torch.nn.Module:
-    """Random BatchNorm affine parameters and running statistics from a few train-mode batches,
-    so swapped or stale statistics cannot go unnoticed (as torch_compat.reference_model)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.weight.copy_(torch.rand(m.weight.shape, generator=gen) + 0.5)
-                m.bias.copy_(torch.randn(m.bias.shape, generator=gen) * 0.1)
-        model.train()
-        for _ in range(2):
-            model(torch.randn(4, 3, size, size, generator=gen) * 0.7 + 0.2)
-    return model.eval()
+    return calibrate(model, seed=seed, image_size=size, calibration_batches=2)
 
 
 # --- constructor options ----------------------------------------------------------------------

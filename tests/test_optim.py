@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from jaxport._errors import ConfigError
+from tests.helpers import torch_lrs
 from torch_compat import optim
 
 SHAPES = {"w": (4, 3), "b": (3,)}
@@ -74,15 +75,6 @@ def test_sgd_with_schedule_matches_torch_step_lr():
     _run_both(StepThenSchedule, optim.sgd(optim.step_lr(0.1, 3, 0.5), momentum=0.9))
 
 
-def _torch_lrs(make_sched, n):
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-    sched = make_sched(opt)
-    lrs = []
-    for _ in range(n):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return np.array(lrs)
 
 
 L = torch.optim.lr_scheduler
@@ -97,7 +89,7 @@ L = torch.optim.lr_scheduler
 ])
 def test_schedules_match_torch(name, make_torch, make_ours):
     n = 100  # past T_max: torch's cosine recursion rises again; ours follows it
-    want = _torch_lrs(make_torch, n)
+    want = torch_lrs(make_torch, n)
     sched = make_ours()
     with jax.enable_x64(True):
         got = np.array([sched(jnp.asarray(i)) for i in range(n)])
@@ -152,7 +144,7 @@ def test_per_step_schedules_hold_far_beyond_ten_thousand_steps(make_torch, make_
     again): there the closed form stands in for torch's recursion, which drifts from it by
     ~1e-11 relative."""
     n = 40_001
-    want = _torch_lrs(make_torch, n)
+    want = torch_lrs(make_torch, n)
     sched = make_ours()
     steps = np.r_[0:50, 9_990:10_010, 11_990:12_010, 14_990:15_010, 19_990:20_010, 24_990:25_010,
                   29_990:30_010, 39_950:n]
@@ -169,7 +161,7 @@ def test_per_step_schedules_hold_far_beyond_ten_thousand_steps(make_torch, make_
 
 
 def test_linear_warmup_of_zero_iterations_holds_the_start_value_as_torch():
-    want = _torch_lrs(lambda o: L.LinearLR(o, start_factor=0.25, total_iters=0), 5)
+    want = torch_lrs(lambda o: L.LinearLR(o, start_factor=0.25, total_iters=0), 5)
     with jax.enable_x64(True):
         got = [float(optim.linear_warmup(0.1, 0, 0.25)(jnp.asarray(i))) for i in range(5)]
     np.testing.assert_allclose(got, want, rtol=1e-15)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from jaxport._errors import ConfigError
+from tests.helpers import torch_lrs
 from torch_compat import optim
 
 L = torch.optim.lr_scheduler
@@ -246,15 +247,6 @@ def test_low_precision_parameters_keep_their_dtype_and_track_torch(tdtype, jdtyp
 
 # --- schedules -----------------------------------------------------------------------------------
 
-def _torch_lrs(make_sched, n, lr=0.1):
-    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
-    sched = make_sched(opt)
-    lrs = []
-    for _ in range(n):
-        lrs.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return np.array(lrs)
 
 
 def _ours(sched, n):
@@ -284,7 +276,7 @@ def _ours(sched, n):
 ])
 def test_schedule_edge_cases_match_torch(make_torch, make_ours, lr):
     """Past T_max the cosine rises again in torch's recursion, as here (60 steps)."""
-    np.testing.assert_allclose(_ours(make_ours(lr), 60), _torch_lrs(make_torch, 60, lr), rtol=1e-15, atol=0)
+    np.testing.assert_allclose(_ours(make_ours(lr), 60), torch_lrs(make_torch, 60, lr), rtol=1e-15, atol=0)
 
 
 @pytest.mark.parametrize("warmup", [1, 3, 5])
@@ -297,7 +289,7 @@ def test_join_schedules_is_sequential_lr(warmup, make_torch, make_ours):
     """torch's SequentialLR restarts the second scheduler at step 0 at the milestone (the lr
     there is the second schedule's start, not the warm-up's end); `optax.join_schedules` does
     the same, with the milestone as its boundary."""
-    want = _torch_lrs(lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, warmup), make_torch(o)], [warmup]), 40)
+    want = torch_lrs(lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, warmup), make_torch(o)], [warmup]), 40)
     got = _ours(optax.join_schedules([optim.linear_warmup(0.1, warmup, 0.1), make_ours()], [warmup]), 40)
     np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
 

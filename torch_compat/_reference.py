@@ -30,10 +30,19 @@ def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_
     """
     if arch not in ARCHS:
         raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
-    gen = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(torchvision.models, arch)(num_classes=num_classes)
+    return calibrate(model, seed=seed, image_size=image_size, calibration_batches=calibration_batches,
+                     batch_size=batch_size).to(dtype)
+
+
+def calibrate(model: torch.nn.Module, *, seed: int = 0, image_size: int = 64, calibration_batches: int = 3,
+              batch_size: int = 4) -> torch.nn.Module:
+    """`model` (any torchvision ResNet, e.g. one built with `replace_stride_with_dilation`) with
+    random BatchNorm affine parameters and running statistics from `calibration_batches`
+    train-mode passes, in place; returned in eval mode. The arguments are `reference_model`'s."""
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.BatchNorm2d):
@@ -46,4 +55,4 @@ def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_
         scale = torch.rand(1, 3, 1, 1, generator=gen) + 0.5
         for _ in range(calibration_batches):
             model(torch.randn(batch_size, 3, image_size, image_size, generator=gen) * scale + shift)
-    return model.eval().to(dtype)
+    return model.eval()
