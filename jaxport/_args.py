@@ -6,7 +6,9 @@ Errors name the argument and the value.
 """
 from __future__ import annotations
 
+import difflib
 import math
+import re
 
 import numpy as np
 
@@ -46,3 +48,31 @@ def whole(name: str, value, minimum: int | None = None) -> int:
         raise ConfigError(f"`{name}` (={value!r}) must be a whole number"
                           + (f" >= {minimum}" if minimum is not None else ""))
     return int(value)
+
+
+def closest(text: str, names, aliases: dict[str, str] | None = None) -> str | None:
+    """The name `text` most likely meant: the same letters and digits in another case or with other
+    separators (resnet-18, ResNet18, BFLOAT16), a known alias (bf16), else the nearest spelling."""
+    def key(name: str) -> str:
+        return re.sub(r"[^a-z0-9]", "", name.lower())
+
+    same = [n for n in names if key(n) == key(text)]
+    if same:
+        return same[0]
+    if (aliases or {}).get(key(text)) in names:
+        return aliases[key(text)]
+    close = difflib.get_close_matches(text.lower(), list(names), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def one_of(name: str, value, names, *, why: dict[str, str] | None = None,
+           aliases: dict[str, str] | None = None) -> str:
+    """`value` if it is one of `names`, else one error listing them and naming the one meant
+    (`closest`); `why` adds a reason for particular values (e.g. one that is not supported)."""
+    if value in names:
+        return value
+    text = value if isinstance(value, str) else repr(value)
+    guess = closest(text, names, aliases) if isinstance(value, str) else None
+    fix = f"; did you mean {name} {guess}?" if guess else ""
+    reason = (why or {}).get(text.lower(), "")
+    raise ConfigError(f"`{name}` (={value!r}) must be one of {', '.join(names)}{reason}{fix}")

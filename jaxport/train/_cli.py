@@ -3,21 +3,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import difflib
 import math
 import os
 import re
 import sys
 
+from .._args import closest
 from ..models import ARCHS
-from ._loop import Interrupted, TrainConfig, train
+from ._loop import DTYPES, Interrupted, TrainConfig, train
 
 
-# `--dtype` and `--arch` take exact names (a near miss is refused, naming the one meant); `--batch-size`
-# takes 'auto' in any case: a mode, not a name.
-_DTYPES = ("float32", "bfloat16")
-_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32", "float": "float32"}
-_NO_FLOAT16 = " (float16 is not supported for training: bfloat16 is the half-precision one)"
 # Settings of the library's `TrainConfig` that are no flag, and how to get them from the command line.
 _NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the others to use fewer "
                            "(e.g. CUDA_VISIBLE_DEVICES=0,1), or call jaxport.train.train(TrainConfig(devices=N))",
@@ -35,30 +30,6 @@ def _shown(text: str) -> str:
     except ValueError:
         return repr(text)
     return text
-
-
-def _closest(text: str, names) -> str | None:
-    """The name `text` most likely meant: the same letters and digits in another case or with other
-    separators (resnet-18, ResNet18, BFLOAT16), a known alias (bf16), else the nearest spelling."""
-    key = lambda name: re.sub(r"[^a-z0-9]", "", name.lower())  # noqa: E731
-    same = [n for n in names if key(n) == key(text)]
-    if same:
-        return same[0]
-    if _ALIASES.get(key(text)) in names:
-        return _ALIASES[key(text)]
-    close = difflib.get_close_matches(text.lower(), list(names), n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def _name(flag: str, names, unsupported: dict | None = None):
-    def parse(text: str) -> str:
-        if text in names:
-            return text
-        why = (unsupported or {}).get(text.lower(), "")
-        guess = _closest(text, names)
-        fix = f"; did you mean {flag} {guess}?" if guess else ""
-        raise argparse.ArgumentTypeError(f"`{flag}` (={text!r}) must be one of {', '.join(names)}{why}{fix}")
-    return parse
 
 
 def _integer(flag: str, expected: str = ""):
@@ -131,7 +102,7 @@ class _TrainParser(argparse.ArgumentParser):
         flag = first.partition("=")[0]
         if flag in _NOT_FLAGS:
             return f"`{flag}` is not a `jaxport train` flag: {_NOT_FLAGS[flag]}"
-        guess = _closest(flag, [s for s in self._option_string_actions if s.startswith("--")])
+        guess = closest(flag, [s for s in self._option_string_actions if s.startswith("--")])
         fix = f"did you mean {guess}?" if guess else "see `jaxport train --help` for the flags"
         return f"`{flag}` is not a `jaxport train` flag; {fix}"
 
@@ -148,7 +119,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--data", default=None, metavar="DIR",
                    help="ImageFolder directory (one sub-folder per class, or train/ and val/ (or validation/, "
                         "valid/)) (default: the handwritten digits scikit-learn ships)")
-    p.add_argument("--arch", default=d.arch, type=_name("--arch", list(ARCHS)), metavar="ARCH",
+    p.add_argument("--arch", default=d.arch, metavar="ARCH",  # checked, with a suggestion, by TrainConfig
                    help=f"torchvision ResNet name: one of {', '.join(ARCHS)} (default: %(default)s)")
     p.add_argument("--epochs", type=_integer("--epochs"), default=d.epochs, metavar="N",
                    help="epochs; the cosine schedule ends at the last (default: %(default)s)")
@@ -174,9 +145,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--trusted", action="store_true",
                    help="allow a full unpickle of the --init checkpoint (runs code from the file): only for files you trust")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --workdir")
-    p.add_argument("--dtype", type=_name("--dtype", _DTYPES, {"float16": _NO_FLOAT16, "fp16": _NO_FLOAT16}),
-                   default=d.dtype, metavar="DTYPE",
-                   help=f"compute dtype: {' or '.join(_DTYPES)} (default: %(default)s)")
+    p.add_argument("--dtype", default=d.dtype, metavar="DTYPE",  # checked, with a suggestion, by TrainConfig
+                   help=f"compute dtype: {' or '.join(DTYPES)} (default: %(default)s)")
     p.add_argument("--checkpoint-every", type=_integer("--checkpoint-every"), default=d.checkpoint_every,
                    metavar="STEPS", help="steps between checkpoints; also at each epoch end (default: %(default)s)")
     p.add_argument("--keep-checkpoints", type=_integer("--keep-checkpoints"), default=d.keep_checkpoints,

@@ -121,10 +121,10 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
                           "--image-size 8 or more (the default, 32, reaches >= 95%)")
     # All 1797 images are upsampled up front (they are small at the sizes they are meant for); at
     # 10000 px that would be ~2 TB, growing until the kernel killed the process: refuse it first.
-    need = 2 * 1797 * image_size * image_size * 3 * 4  # the RGB float32 set, and its copy while made
-    free = _available_memory()
+    per_pixel = 2 * 1797 * 3 * 4  # 1797 RGB float32 images, and their copy while they are made
+    need, free = per_pixel * image_size**2, _available_memory()
     if free is not None and need > free:
-        fits = int((free / (2 * 1797 * 3 * 4)) ** 0.5)
+        fits = int((free / per_pixel) ** 0.5)
         raise ConfigError(f"`--image-size` (={image_size}) would need {need / 2**30:.1f} GiB to hold the digits "
                           f"upsampled, and {free / 2**30:.1f} GiB of memory is available; use --image-size {fits} "
                           "or less (the digits are 8x8 images; the default, 32, reaches >= 95%)")

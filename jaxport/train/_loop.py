@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._args import finite, is_int, is_real
+from .._args import finite, is_int, is_real, one_of
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
@@ -31,6 +31,11 @@ FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
 OUTPUTS = (FINAL_VARIABLES, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
 METRIC_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc")  # what resuming and the plot read
 
+
+# The compute dtypes `--dtype` takes, and what other spellings of them mean.
+DTYPES = ("float32", "bfloat16")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32", "float": "float32"}
+_NO_FLOAT16 = " (float16 is not supported for training: bfloat16 is the half-precision one)"
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -81,8 +86,7 @@ def _validate(cfg: TrainConfig) -> None:
         where = "is a file" if blocking == cfg.workdir else f"is inside '{blocking}', which is a file"
         raise ConfigError(f"`--workdir` (={cfg.workdir}) {where}, not a directory; pass a new or existing directory")
     _check_workdir(cfg)
-    if cfg.arch not in ARCHS:
-        raise ConfigError(f"`--arch` (={cfg.arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    one_of("--arch", cfg.arch, list(ARCHS))
     # The library takes any Python value: a float, bool or string in an integer setting failed deep
     # in numpy or jax (or ran with 1.5 or True), naming none of the settings.
     for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices"):
@@ -98,8 +102,7 @@ def _validate(cfg: TrainConfig) -> None:
     # numpy's data order takes seeds >= 0, jax's key ones < 2**63: others were internal errors.
     if not (is_int(cfg.seed) and 0 <= cfg.seed < 2**63):
         raise ConfigError(f"`--seed` (={cfg.seed!r}) must be an integer from 0 to 2**63 - 1")
-    if cfg.dtype not in ("float32", "bfloat16"):
-        raise ConfigError(f"`--dtype` (={cfg.dtype!r}) must be float32 or bfloat16")
+    one_of("--dtype", cfg.dtype, DTYPES, why=dict.fromkeys(("float16", "fp16"), _NO_FLOAT16), aliases=_DTYPE_ALIASES)
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
