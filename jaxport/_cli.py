@@ -17,6 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ._parser import Parser, shown
 from ._errors import ConfigError, JaxportError
 
 EXIT_ERROR, EXIT_MISMATCH = 2, 1
@@ -385,33 +386,28 @@ def _cmd_env(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _positive(flag: str, kind: type, example):
+    """The argparse type of a flag that takes a number > 0 of `kind` (int or float)."""
+    expected = "a positive integer" if kind is int else "a finite number > 0"
 
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not (math.isfinite(value) and value > 0):  # NaN would make every comparison fail silently
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if not (math.isfinite(value) and value > 0):  # NaN would make every comparison fail silently
+            raise argparse.ArgumentTypeError(f"`{flag}` (={shown(text)}): expected {expected}, e.g. {flag} {example}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     from .models import ARCHS
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="jaxport", description="Port torchvision ResNet checkpoints to JAX/Flax and back, verified.")
     parser.add_argument("--version", action="version", version=f"jaxport {__import__('jaxport').__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # Parser refuses a missing one
     archs = ["auto", *ARCHS]
 
     def loading(p):
@@ -446,10 +442,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("variables", nargs="?", help="ported variables to check (default: convert the checkpoint afresh)")
     p.add_argument("--mode", choices=("eval", "train", "both"), default="both")
-    p.add_argument("--batch-size", type=_positive_int, default=2)
-    p.add_argument("--image-size", type=_positive_int, default=64)
-    p.add_argument("--rtol", type=_positive_float, default=1e-4, help="eval tolerance relative to each stage's scale")
-    p.add_argument("--train-rtol", type=_positive_float, default=1e-3, help="train-mode tolerance (see cross_check)")
+    p.add_argument("--batch-size", type=_positive("--batch-size", int, 2), default=2)
+    p.add_argument("--image-size", type=_positive("--image-size", int, 64), default=64)
+    p.add_argument("--rtol", type=_positive("--rtol", float, 1e-4), default=1e-4,
+                   help="eval tolerance relative to each stage's scale")
+    p.add_argument("--train-rtol", type=_positive("--train-rtol", float, 1e-3), default=1e-3,
+                   help="train-mode tolerance (see cross_check)")
     loading(p)
     p.set_defaults(func=_cmd_verify)
 

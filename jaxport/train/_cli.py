@@ -5,10 +5,9 @@ import argparse
 import contextlib
 import math
 import os
-import re
 import sys
 
-from .._args import closest
+from .._parser import Parser, shown
 from ..models import ARCHS
 from ._loop import DTYPES, Interrupted, TrainConfig, train
 
@@ -21,15 +20,6 @@ _NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the o
 # The smallest value each integer flag takes, said in its type error (TrainConfig checks ranges).
 _MINIMUM = {"--epochs": 1, "--image-size": 1, "--seed": 0, "--checkpoint-every": 1, "--keep-checkpoints": 1,
             "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0}
-
-
-def _shown(text: str) -> str:
-    """A value as the user typed it: a number plainly (1.5), anything else quoted ('', 'abc')."""
-    try:
-        float(text)
-    except ValueError:
-        return repr(text)
-    return text
 
 
 def _integer(flag: str, expected: str = ""):
@@ -51,7 +41,7 @@ def _integer(flag: str, expected: str = ""):
                 fix = f"; use {flag} {int(number)}"
             else:
                 fix = f"; use {flag} {math.floor(number)} or {flag} {math.ceil(number)}"
-        raise argparse.ArgumentTypeError(f"`{flag}` (={_shown(text)}) must be {expected}{fix}")
+        raise argparse.ArgumentTypeError(f"`{flag}` (={shown(text)}) must be {expected}{fix}")
     return parse
 
 
@@ -75,24 +65,9 @@ def _batch_size(text: str):
     return _integer("--batch-size", "a positive integer or 'auto'")(text)
 
 
-class _TrainParser(argparse.ArgumentParser):
-    """`jaxport train`'s parser: every refusal is one line, `jaxport: error: ...`, exit status 2,
-    as a refusal of the settings themselves is (argparse printed its whole usage block first, and
-    left unknown flags to the top-level parser, which could not suggest the flag meant)."""
-
-    def error(self, message: str):
-        # A type error is already written as "`--flag` (=value) must be ...": argparse's
-        # "argument --flag: " in front of it would say the flag twice.
-        message = re.sub(r"^argument [^:]+: (?=`)", "", message)
-        if not message.startswith("`"):
-            message += "; see `jaxport train --help`"
-        self.exit(2, f"jaxport: error: {message}\n")
-
-    def parse_known_args(self, args=None, namespace=None):
-        namespace, extras = super().parse_known_args(args, namespace)
-        if extras:
-            self.error(self._unknown(extras))
-        return namespace, extras
+class _TrainParser(Parser):
+    """`jaxport train`'s parser: the top-level's one-line errors, and a word on the settings of
+    `TrainConfig` that are no flag and on positional arguments (every setting is a flag)."""
 
     def _unknown(self, extras: list[str]) -> str:
         first = extras[0]
@@ -102,9 +77,7 @@ class _TrainParser(argparse.ArgumentParser):
         flag = first.partition("=")[0]
         if flag in _NOT_FLAGS:
             return f"`{flag}` is not a `jaxport train` flag: {_NOT_FLAGS[flag]}"
-        guess = closest(flag, [s for s in self._option_string_actions if s.startswith("--")])
-        fix = f"did you mean {guess}?" if guess else "see `jaxport train --help` for the flags"
-        return f"`{flag}` is not a `jaxport train` flag; {fix}"
+        return super()._unknown(extras)
 
 
 def add_parser(subparsers) -> None:
@@ -114,7 +87,7 @@ def add_parser(subparsers) -> None:
         "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD)",
         description="Train data-parallel over all devices. With no --data, trains on the handwritten digits "
                     "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy.")
-    # `add_parser` builds with the top-level parser's class: this one's errors are one line.
+    # `add_parser` builds with the top-level parser's class; this one adds train's own words.
     p.__class__ = _TrainParser
     p.add_argument("--data", default=None, metavar="DIR",
                    help="ImageFolder directory (one sub-folder per class, or train/ and val/ (or validation/, "
