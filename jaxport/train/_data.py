@@ -229,9 +229,13 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
             with Image.open(path) as im:
                 im.verify()
         except Exception as e:  # noqa: BLE001 - any unreadable file is skipped
-            warnings.warn(f"skipping unreadable image {path}: {e}", stacklevel=2)
-            skipped += 1
-            continue
+            # PNG's verify() checks every chunk's CRC and the IEND chunk, past the header: a PNG
+            # with a bad checksum or no IEND, which decodes exactly (and torchvision trains on),
+            # was skipped. Kept when it decodes.
+            if not _decodes(path):
+                warnings.warn(f"skipping unreadable image {path}: {e}", stacklevel=2)
+                skipped += 1
+                continue
         samples.append((path, label))
     if repeated:
         warnings.warn(f"{repeated} image path(s) in {root} lead to a file already taken (symbolic links): each file "
@@ -255,6 +259,18 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
         raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r}); "
                           "classification needs at least 2 class sub-folders with images")
     return classes, samples, skipped
+
+
+def _decodes(path: str) -> bool:
+    """Whether Pillow decodes the image at `path` (the whole of it, as a training step would)."""
+    from PIL import Image
+
+    try:
+        with Image.open(path) as im:
+            im.load()
+    except Exception:  # noqa: BLE001 - any failure means no
+        return False
+    return True
 
 
 @dataclasses.dataclass
@@ -423,7 +439,9 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     `train/` sub-folder is split torchvision's way: `train/` and the held-out `val/` (or
     `validation/` or `valid/`), each with one sub-folder per class; otherwise the sub-folders
     are the classes and a fixed stratified `val_fraction` of the images is held out (rounded
-    per class, never a class's last image). Images whose header cannot be read are skipped
+    per class, never a class's last image). Folders named `.*` (`.ipynb_checkpoints`) are not
+    classes, where torchvision's ImageFolder makes them one. Images whose header cannot be read
+    (or, for PNG, whose chunks fail Pillow's `verify` and that do not decode) are skipped
     with a warning and counted; symbolic links are followed, and a file reached twice is used
     once, in the class folder that really holds it. Images are read as torchvision's loader
     reads them (`convert("RGB")`), except 16-bit greyscale, which keeps its high byte where
