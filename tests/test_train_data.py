@@ -211,3 +211,20 @@ def test_digits_refuse_an_image_size_whose_upsampled_set_cannot_fit(monkeypatch)
 def test_digits_refuse_images_smaller_than_the_digits():
     with pytest.raises(ConfigError, match=r"`--image-size` \(=7\) must be >= 8 .* use --image-size 8 or more"):
         _data.digits(7)
+
+
+def test_a_val_image_hard_linked_into_train_is_held_out_of_neither_twice(tmp_path):
+    """Files were one sample per real path, so a hard link (another path to the same inode) from
+    val/ into train/ trained on a held-out image, and one within a class counted twice."""
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        for c in ("cat", "dog"):
+            _images(root / split / c, 3, start=0 if split == "train" else 10)
+    os.link(root / "val" / "cat" / sorted(os.listdir(root / "val" / "cat"))[0], root / "train" / "cat" / "leak.png")
+    os.link(root / "train" / "dog" / sorted(os.listdir(root / "train" / "dog"))[0], root / "train" / "dog" / "again.png")
+    seen: set = set()
+    _, train, _ = _quiet(_data._scan, str(root / "train"), "--data", seen)
+    _, val, _ = _quiet(_data._scan, str(root / "val"), "--data", seen)
+    inodes = [os.stat(p).st_ino for p, _ in train + val]
+    assert len(inodes) == len(set(inodes)) == 12  # 6 + 6 files, two of them reached twice
+    assert (len(train), len(val)) == (7, 5)  # the linked file is train/'s, which is scanned first

@@ -188,12 +188,12 @@ def _image_files(class_dir: str, blocked: set[str]) -> list[str]:
     return [os.path.join(d, f) for d, f in sorted(found)]
 
 
-def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str], list[tuple[str, int]], int]:
+def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], list[tuple[str, int]], int]:
     """Classes, readable (path, label) samples and the number of unreadable files of a folder.
 
-    A file reached twice (symbolic links) is a sample once: in the class folder that really
-    holds it, else the first to reach it. `seen` holds the real paths already taken (train/'s,
-    when scanning val/), so no file is in both splits.
+    A file reached twice (symbolic or hard links) is a sample once: in the class folder that really
+    holds it, else the first to reach it. `seen` holds the files already taken (train/'s, when
+    scanning val/), so no file is in both splits.
     """
     from PIL import Image
 
@@ -213,9 +213,9 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
         path, label = candidates[i]
         return os.path.realpath(path).startswith(class_dirs[label] + os.sep), not os.path.islink(path)
 
-    owner: dict[str, int] = {}
+    owner: dict[object, int] = {}
     for i, (path, _) in enumerate(candidates):
-        real = os.path.realpath(path)
+        real = _identity(path)
         if real in seen:  # taken by the other split
             continue
         j = owner.get(real)
@@ -238,7 +238,7 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
                 continue
         samples.append((path, label))
     if repeated:
-        warnings.warn(f"{repeated} image path(s) in {root} lead to a file already taken (symbolic links): each file "
+        warnings.warn(f"{repeated} image path(s) in {root} lead to a file already taken (symbolic or hard links): each file "
                       "is used once", stacklevel=2)
     if not samples:
         loose = sum(e.is_file() and e.name.lower().endswith(IMG_EXTENSIONS) for e in os.scandir(root))
@@ -259,6 +259,17 @@ def _scan(root: str, name: str, seen: set[str] | None = None) -> tuple[list[str]
         raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r}); "
                           "classification needs at least 2 class sub-folders with images")
     return classes, samples, skipped
+
+
+def _identity(path: str) -> object:
+    """What makes two paths the same file: its device and inode (a hard link is another path to
+    the same inode, and a val/ image hard-linked into train/ would leak into the held-out
+    accuracy just as a symbolic link would); its real path where it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return os.path.realpath(path)
+    return (st.st_dev, st.st_ino)
 
 
 def _decodes(path: str) -> bool:
@@ -442,8 +453,8 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     per class, never a class's last image). Folders named `.*` (`.ipynb_checkpoints`) are not
     classes, where torchvision's ImageFolder makes them one. Images whose header cannot be read
     (or, for PNG, whose chunks fail Pillow's `verify` and that do not decode) are skipped
-    with a warning and counted; symbolic links are followed, and a file reached twice is used
-    once, in the class folder that really holds it. Images are read as torchvision's loader
+    with a warning and counted; symbolic links are followed, and a file reached twice (symbolic or
+    hard links) is used once, in the class folder that really holds it. Images are read as torchvision's loader
     reads them (`convert("RGB")`), except 16-bit greyscale, which keeps its high byte where
     that loader clips it to white.
 
@@ -471,7 +482,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         if len(held_out) > 1:
             raise ConfigError(f"`--data` (={root}) has train/ and several held-out folders "
                               f"({', '.join(h + '/' for h in held_out)}); keep one of them")
-        seen: set[str] = set()
+        seen: set = set()
         val_name = held_out[0]
         classes, train_samples, skipped = _scan(train_dir, "--data", seen)
         val_classes, val_samples, vskipped = _scan(os.path.join(root, val_name), "--data", seen)
