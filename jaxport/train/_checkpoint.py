@@ -3,13 +3,17 @@
 A checkpoint is `WORKDIR/checkpoints/<step>/` with two items: `state` (the whole TrainState:
 step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, classes, seed,
 batch size, image size, epoch accumulators). Orbax writes into a temporary directory and renames it when complete, so a
-run killed mid-save leaves no half-written step; unfinished temporaries are ignored.
+run killed mid-save leaves no half-written step; unfinished temporaries are ignored. A run killed
+while the rotation deletes the oldest step may leave it half-deleted: resuming reads the newest
+step, and the next save deletes that one. A newest step that cannot be read (a damaged disk, not a
+kill) stops `--resume` with an error naming the newest step that reads, never a silent fallback.
 The data order and augmentation are functions of `(seed, epoch, index)`, so the step number
 and the seed are the whole RNG state.
 """
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import shutil
 from typing import Any
@@ -23,6 +27,8 @@ from .._io import require_space
 
 
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
+_READ_TRIES = 5  # reads of the newest checkpoint by `load_workdir` while a run may be rotating them
+
 
 def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
@@ -72,20 +78,69 @@ def _not_written(mngr: ocp.CheckpointManager, step: int, why: str) -> Checkpoint
     return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; {kept}")
 
 
-def _unreadable(path: str, step: int, err: Exception, steps: list[int], *,
+def _unreadable(mngr: ocp.CheckpointManager, step: int, err: Exception, *,
                 reading: str | None = None) -> CheckpointError:
     """The error for checkpoint `step` that cannot be read. The fix resumes from an older step
     (training); with `reading` (for `load_workdir`'s readers such as `jaxport export`: what else
-    holds the weights, or "") it says what can be read instead of retraining."""
-    older = [s for s in steps if s < step]
-    bad = os.path.join(path, str(step))
-    if reading is not None:
-        fix = (f"move {bad} aside to read step {older[-1]}" if older else "it is the only checkpoint") + reading
+    holds the weights, or "") it says what can be read instead of retraining.
+
+    The older step named is one that reads: a run killed while its keep-last rotation deleted
+    the oldest step leaves that directory half-deleted (orbax removes it with a recursive
+    delete), and naming it sent the user from one unreadable checkpoint to the next. Every
+    unreadable step above the one named is listed to be moved, since the newest is resumed.
+    """
+    path = _where(mngr)
+    older = sorted((s for s in mngr.all_steps() if s < step), reverse=True)
+    good = next((s for s in older if _reads(mngr, s)), None)
+    bad = [os.path.join(path, str(s)) for s in [step, *older] if good is not None and s > good]
+    what = bad[0] + (f" and {', '.join(bad[1:])} (unreadable too)" if len(bad) > 1 else "") if bad else ""
+    if good is not None:
+        fix = (f"move {what} aside to read step {good}" if reading is not None
+               else f"delete {what} to resume from step {good}")
+    elif reading is not None:
+        fix = "it is the only checkpoint" if not older else f"no older checkpoint in {path} can be read either"
+    elif not older:
+        # Not "train again without --resume": the workdir's metrics.jsonl (and final weights)
+        # make a run without it refuse the workdir; --resume without a checkpoint starts at 0.
+        fix = (f"it is the only checkpoint: delete {os.path.join(path, str(step))} and rerun with --resume to train "
+               "from step 0")
     else:
-        fix = (f"delete {bad} to resume from step {older[-1]}" if older
-               else f"it is the only checkpoint: delete {bad} and train again without --resume")
+        fix = (f"no older checkpoint (step {', '.join(map(str, sorted(older)))}) can be read either: delete {path} "
+               "and rerun with --resume to train from step 0")
+    fix += reading or ""
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: {first[:200]}); {fix}")
+    return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: "
+                           f"{first[:200]}); {fix}")
+
+
+def _read_as_saved(mngr: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
+    """`(state, meta)` of checkpoint `step`, laid out as saved (its own shapes, on the CPU)."""
+    meta_tree = mngr.item_metadata(step)["state"]
+    shapes = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+    abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), shapes,
+                            is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
+    out = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                     meta=ocp.args.JsonRestore()))
+    return out["state"], dict(out["meta"] or {})
+
+
+def _reads(mngr: ocp.CheckpointManager, step: int) -> bool:
+    """Whether checkpoint `step` reads whole (only asked on the way to an error: it reads every array)."""
+    # Orbax logs a warning (on stderr, beside the CLI's one-line error) for each item it cannot
+    # read; the answer here is the whole report, so its loggers are quiet meanwhile.
+    quiet = logging.getLogger("absl"), logging.getLogger("orbax")
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
+    try:
+        _read_as_saved(mngr, step)
+    except Exception:  # noqa: BLE001 - any failure to read is the answer
+        return False
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+    return True
 
 
 def _where(mngr: ocp.CheckpointManager) -> str:
@@ -107,7 +162,7 @@ def latest_meta(mngr: ocp.CheckpointManager) -> dict | None:
     try:
         return dict(mngr.restore(steps[-1], args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
     except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
-        raise _unreadable(_where(mngr), steps[-1], e, steps) from None
+        raise _unreadable(mngr, steps[-1], e) from None
 
 
 def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None:
@@ -133,7 +188,7 @@ def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None
                 "run's (the optimizer's settings differ, e.g. --momentum or --weight-decay changed to or from 0); "
                 "the checkpoint is intact: resume with the settings it was trained with, or start a new --workdir"
             ) from None
-        raise _unreadable(_where(mngr), step, e, steps) from None
+        raise _unreadable(mngr, step, e) from None
 
 
 def load_workdir(workdir: str) -> tuple[dict, str | None]:
@@ -160,20 +215,23 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
             raise CheckpointError(f"`workdir` (={workdir}) holds no finished checkpoint in {path} (a run stopped "
                                   "before its first checkpoint, or they were deleted)"
                                   + (instead or "; train into it with `jaxport train --workdir` first"))
-        try:
-            meta_tree = mngr.item_metadata(steps[-1])["state"]
-            shapes = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
-            cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-            abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), shapes,
-                                    is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
-            out = mngr.restore(steps[-1], args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                                  meta=ocp.args.JsonRestore()))
-            state, meta = out["state"], dict(out["meta"] or {})
-            variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
-        except CheckpointError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise _unreadable(path, steps[-1], e, steps, reading=instead) from None
+        for attempt in range(_READ_TRIES):
+            try:
+                state, meta = _read_as_saved(mngr, steps[-1])
+                break
+            except CheckpointError:
+                raise
+            except Exception as e:  # noqa: BLE001
+                # A run still training into `workdir` deletes its oldest step once a newer one is
+                # saved: with --keep-checkpoints 1 an export made meanwhile found the step it had
+                # listed gone midway (6 of 12 exports), and called it unreadable. A newer step
+                # means that race, not damage: read the newest again.
+                mngr.reload()
+                newer = sorted(s for s in mngr.all_steps() if s > steps[-1])
+                if not newer or attempt + 1 == _READ_TRIES:
+                    raise _unreadable(mngr, steps[-1], e, reading=instead) from None
+                steps = newer
+        variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
     finally:
         mngr.close()  # its threads would outlive an error (the CLI drops their asyncio leftovers)
     arch = meta.get("arch")

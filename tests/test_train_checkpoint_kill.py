@@ -1,0 +1,169 @@
+"""Checkpoint directories a killed run (or a damaged disk) leaves behind, and what `--resume` says.
+
+A run SIGKILLed while orbax's keep-last rotation deletes the oldest step leaves that directory
+half-deleted (orbax removes it with a recursive delete); killed while writing a step, it leaves a
+`<step>.orbax-checkpoint-tmp` directory. Neither stops an exact resume from the newest step (orbax
+skips the temporary one and the next save replaces it; the rotation deletes the half-deleted one):
+checked by killing `jaxport train` at random moments. What broke was the advice when the newest
+step itself cannot be read: it named the next older step without asking whether that one reads,
+though it may be the half-deleted one, and for the only checkpoint it said to train again without
+--resume, which a workdir holding metrics.jsonl refuses. The states are built by hand on a small
+state tree, so the file takes seconds.
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxport._errors import CheckpointError, ConfigError
+from jaxport.train import TrainConfig, _checkpoint, _loop, load_workdir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(step):
+    """A small tree shaped like a TrainState's leaves, each value telling the step it was saved at."""
+    return {"step": jnp.int32(step), "params": {"w": jnp.full((8, 8), float(step)), "b": jnp.arange(4.0) + step},
+            "batch_stats": {"mean": jnp.full((4,), -float(step))}}
+
+
+def _workdir(tmp_path, steps, keep=3):
+    work = tmp_path / "w"
+    mngr = _checkpoint.manager(str(work), keep)
+    for s in steps:
+        _checkpoint.save(mngr, s, _state(s), {"arch": "resnet18", "epoch_sums": [0.0, 0.0, 0.0]})
+    mngr.close()
+    return work
+
+
+def _half_delete(step_dir):
+    """What a kill leaves mid-way through orbax's recursive delete: the directory and part of its
+    files (here every file of the `state` item: `meta` still reads, the weights do not)."""
+    for root, _, files in os.walk(step_dir / "state"):
+        for f in files:
+            os.remove(os.path.join(root, f))
+
+
+def _restore(work, keep=3):
+    mngr = _checkpoint.manager(str(work), keep)
+    try:
+        _checkpoint.latest_meta(mngr)
+        return _checkpoint.restore(mngr, _state(0))
+    finally:
+        mngr.close()
+
+
+def test_a_broken_newest_step_names_the_newest_that_reads_not_a_half_deleted_one(tmp_path):
+    """Newest step 4 unreadable, step 3 half-deleted by a killed rotation, step 2 intact: the
+    advice was "delete .../4 to resume from step 3", and following it failed on step 3 next."""
+    work = _workdir(tmp_path, [2, 3, 4])
+    ckpt = work / "checkpoints"
+    shutil.rmtree(ckpt / "4" / "state")
+    _half_delete(ckpt / "3")
+    (ckpt / "5.orbax-checkpoint-tmp" / "state").mkdir(parents=True)  # and a kill mid-write of step 5
+    with pytest.raises(CheckpointError) as e:
+        _restore(work)
+    assert re.fullmatch(rf"checkpoint step 4 in {ckpt} cannot be read \(.+\); delete {ckpt / '4'} and "
+                        rf"{ckpt / '3'} \(unreadable too\) to resume from step 2", str(e.value)), e.value
+    assert sorted(os.listdir(ckpt)) == ["2", "3", "4", "5.orbax-checkpoint-tmp"]  # nothing removed for the user
+
+    # Following the advice resumes exactly from step 2, and the next saves go past the leftovers.
+    shutil.rmtree(ckpt / "4")
+    shutil.rmtree(ckpt / "3")
+    state, _ = _restore(work)
+    jax.tree.map(np.testing.assert_array_equal, state, _state(2))
+    mngr = _checkpoint.manager(str(work), 2)
+    for s in (3, 4, 5):
+        _checkpoint.save(mngr, s, _state(s), {"epoch_sums": [0.0, 0.0, 0.0]})
+    mngr.close()
+    assert sorted(os.listdir(ckpt)) == ["4", "5"]
+    jax.tree.map(np.testing.assert_array_equal, _restore(work)[0], _state(5))
+
+
+def test_unreadable_metadata_with_no_older_step_that_reads_says_to_start_over(tmp_path):
+    """The newest step's `meta` gone and the only older step half-deleted: the advice named the
+    half-deleted step as the one to resume from."""
+    work = _workdir(tmp_path, [3, 4])
+    ckpt = work / "checkpoints"
+    shutil.rmtree(ckpt / "4" / "meta")
+    _half_delete(ckpt / "3")
+    with pytest.raises(CheckpointError) as e:
+        _restore(work)
+    assert re.fullmatch(rf"checkpoint step 4 in {ckpt} cannot be read \(.+\); no older checkpoint \(step 3\) can "
+                        rf"be read either: delete {ckpt} and rerun with --resume to train from step 0",
+                        str(e.value)), e.value
+
+
+def test_the_only_checkpoint_unreadable_gives_advice_the_workdir_accepts(tmp_path):
+    """"delete .../4 and train again without --resume" was refused at once: the workdir still holds
+    metrics.jsonl, which only --resume continues (and --resume with no checkpoint starts at 0)."""
+    work = _workdir(tmp_path, [4])
+    (work / "metrics.jsonl").write_text("")
+    shutil.rmtree(work / "checkpoints" / "4" / "state")
+    with pytest.raises(CheckpointError, match=r"it is the only checkpoint: delete \S+4 and rerun with --resume to "
+                                              r"train from step 0$"):
+        _restore(work)
+    shutil.rmtree(work / "checkpoints" / "4")
+    cfg = TrainConfig(workdir=str(work), progress=False)
+    with pytest.raises(ConfigError, match="already holds metrics.jsonl"):
+        _loop._check_workdir(cfg)
+    _loop._check_workdir(TrainConfig(**{**cfg.__dict__, "resume": True}))
+    assert _restore(work) is None
+
+
+def test_export_names_the_newest_step_that_reads(tmp_path):
+    """`jaxport export WORKDIR` (`load_workdir`) said "move .../4 aside to read step 3" of a
+    half-deleted step 3; the error stays one line, without a traceback."""
+    work = _workdir(tmp_path, [2, 3, 4])
+    ckpt = work / "checkpoints"
+    for f in os.listdir(ckpt / "4" / "state"):
+        if os.path.isfile(ckpt / "4" / "state" / f):
+            with open(ckpt / "4" / "state" / f, "r+b") as fh:
+                fh.truncate(os.path.getsize(ckpt / "4" / "state" / f) // 3)
+    _half_delete(ckpt / "3")
+    fix = rf"move {ckpt / '4'} and {ckpt / '3'} \(unreadable too\) aside to read step 2"
+    with pytest.raises(CheckpointError, match=rf"checkpoint step 4 in {ckpt} cannot be read \(.+\); {fix}$"):
+        load_workdir(str(work))
+
+    out = subprocess.run([sys.executable, "-m", "jaxport", "export", str(work), "--out", str(tmp_path / "x.pt")],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT}, timeout=300)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+    assert re.fullmatch(rf"jaxport: error: checkpoint step 4 in {ckpt} cannot be read \(.+\); {fix}\n",
+                        out.stderr), out.stderr
+
+    shutil.rmtree(ckpt / "4")
+    shutil.rmtree(ckpt / "3")
+    variables, arch = load_workdir(str(work))
+    assert arch == "resnet18"
+    jax.tree.map(np.testing.assert_array_equal, variables,
+                 {k: v for k, v in _state(2).items() if k in ("params", "batch_stats")})
+
+
+def test_export_reads_the_newer_step_when_the_run_rotates_the_listed_one_away(tmp_path, monkeypatch):
+    """An export while `jaxport train --keep-checkpoints 1` runs listed step 1, the run saved step
+    2 and deleted step 1 before the read: "step 1 cannot be read; it is the only checkpoint" (6 of
+    12 exports in a probe), though nothing was damaged. It reads the newer step now."""
+    work = _workdir(tmp_path, [1], keep=1)
+    read = _checkpoint._read_as_saved
+    calls = []
+
+    def racing(mngr, step):
+        if not calls:  # the training run, between the export's listing and its read
+            trainer = _checkpoint.manager(str(work), 1)
+            _checkpoint.save(trainer, 2, _state(2), {"arch": "resnet18", "epoch_sums": [0.0, 0.0, 0.0]})
+            trainer.close()
+            assert not (work / "checkpoints" / "1").exists()
+        calls.append(step)
+        return read(mngr, step)
+
+    monkeypatch.setattr(_checkpoint, "_read_as_saved", racing)
+    variables, arch = load_workdir(str(work))
+    assert calls == [1, 2] and arch == "resnet18"
+    np.testing.assert_array_equal(variables["params"]["w"], _state(2)["params"]["w"])
+    assert sorted(os.listdir(work / "checkpoints")) == ["2"]  # the reader wrote and deleted nothing
