@@ -48,7 +48,7 @@ class TrainConfig:
     workdir: str
     data: str | None = None  # None: the embedded scikit-learn digits
     arch: str = "resnet18"
-    epochs: int = 6
+    epochs: int = 8  # 6 reached 0.950-0.983 held-out over seeds and thread counts; 8: 0.972-0.983
     batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
     image_size: int = 32
     lr: float = 0.05
