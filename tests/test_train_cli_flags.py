@@ -75,6 +75,11 @@ ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, r
                               "--dtype bfloat16?"),
     (["--dtype", "float16"], "`--dtype` (='float16') must be one of float32, bfloat16 (float16 is not supported for "
                              "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
+    # By spelling alone float64 was sent to bfloat16, and fp16 / half to nothing.
+    (["--dtype", "float64"], "`--dtype` (='float64') must be one of float32, bfloat16 (float64 is not supported for "
+                             "training: float32 is the full-precision one); did you mean --dtype float32?"),
+    (["--dtype", "half"], "`--dtype` (='half') must be one of float32, bfloat16 (float16 is not supported for "
+                          "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
 ])
 def test_a_misspelt_name_suggests_the_closest(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message

@@ -34,8 +34,17 @@ METRIC_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc")  # wha
 
 # The compute dtypes `--dtype` takes, and what other spellings of them mean.
 DTYPES = ("float32", "bfloat16")
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32", "float": "float32"}
-_NO_FLOAT16 = " (float16 is not supported for training: bfloat16 is the half-precision one)"
+# The other precisions point to the supported one of their kind: by spelling alone `closest` sent
+# float64 to bfloat16, and fp16 or half to nothing.
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "f32": "float32", "float": "float32",
+                  "fp16": "bfloat16", "f16": "bfloat16", "half": "bfloat16",
+                  "float64": "float32", "fp64": "float32", "f64": "float32", "double": "float32"}
+_NOT_TRAINED = {
+    **dict.fromkeys(("float16", "fp16", "f16", "half"),
+                    " (float16 is not supported for training: bfloat16 is the half-precision one)"),
+    **dict.fromkeys(("float64", "fp64", "f64", "double"),
+                    " (float64 is not supported for training: float32 is the full-precision one)"),
+}
 
 @dataclasses.dataclass
 class TrainConfig:
@@ -102,7 +111,7 @@ def _validate(cfg: TrainConfig) -> None:
     # numpy's data order takes seeds >= 0, jax's key ones < 2**63: others were internal errors.
     if not (is_int(cfg.seed) and 0 <= cfg.seed < 2**63):
         raise ConfigError(f"`--seed` (={cfg.seed!r}) must be an integer from 0 to 2**63 - 1")
-    one_of("--dtype", cfg.dtype, DTYPES, why=dict.fromkeys(("float16", "fp16"), _NO_FLOAT16), aliases=_DTYPE_ALIASES)
+    one_of("--dtype", cfg.dtype, DTYPES, why=_NOT_TRAINED, aliases=_DTYPE_ALIASES)
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
