@@ -178,5 +178,5 @@ def test_help_shows_every_flag_with_its_real_default(capsys):
     # Defaults of None were shown as "(default: None)", a required --workdir included, and flags
     # without help showed no default at all (--epochs, --image-size, --momentum, --seed, ...).
     assert "None" not in text
-    assert "(default: 6)" in text and "(default: 32)" in text and "(default: 0.9)" in text
+    assert f"(default: {defaults.epochs})" in text and "(default: 32)" in text and "(default: 0.9)" in text
     assert "(default: 0.0005)" in text and "(default: 0)" in text and "(default: 3)" in text
