@@ -160,7 +160,7 @@ def test_flax_to_torch_strict():
         torch_compat.flax_to_torch(broken, "resnet18")
     assert "params/layer1/0/bn1/scale" in str(e.value)
     assert "params/layer1/0/conv1/kernel: got (3, 3, 64, 32), expected (3, 3, 64, 64)" in str(e.value)
-    with pytest.raises(ConversionError, match="not a known architecture"):
+    with pytest.raises(ConversionError, match="not a known architecture.*; did you mean 'resnet18'\\?$"):
         torch_compat.flax_to_torch(variables, "resnet19")
     # the variables side names what they look like too (`jaxport export --arch` given wrong)
     with pytest.raises(ConversionError, match=r"look like resnet18, not resnet50 \(pass arch='resnet18'"):

@@ -95,7 +95,7 @@ def test_torchvision_option_errors():
         models.resnet50(replace_stride_with_dilation=(True,)).init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
     with pytest.raises(ConfigError, match="`groups` .* fixed to 32 by resnext50_32x4d"):
         models.resnext50_32x4d(groups=8)
-    with pytest.raises(ConfigError, match="not a known architecture"):
+    with pytest.raises(ConfigError, match="not a known architecture.*; did you mean 'resnet50'\\?$"):
         models.build("resnet51")
     with pytest.raises(ConfigError, match="NHWC"):
         models.resnet18().init(jax.random.key(0), jnp.zeros((32, 32, 3)))

@@ -18,7 +18,7 @@ import torch
 from jaxport._cpus import host_pool
 from jaxport._errors import ConversionError
 from jaxport._io import flatten
-from jaxport.models import ARCHS, ResNetSpec
+from jaxport.models import ARCHS, ResNetSpec, check_arch
 
 from ._load import describe_keys
 
@@ -112,9 +112,7 @@ def table(arch: str, num_classes: int = 1000) -> list[Entry]:
 
 
 def _spec(arch: str) -> ResNetSpec:
-    if arch not in ARCHS:
-        raise ConversionError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
-    return ARCHS[arch]
+    return ARCHS[check_arch(arch, ConversionError)]
 
 
 def _require_state_dict(state_dict: Any) -> None:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torchvision
 
-from jaxport._errors import ConfigError
-from jaxport.models import ARCHS
+from jaxport.models import check_arch
 
 
 def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_size: int = 64,
@@ -28,8 +27,7 @@ def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_
       batch_size: images per calibration batch.
       dtype: dtype of the returned model's parameters and buffers.
     """
-    if arch not in ARCHS:
-        raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    check_arch(arch)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = getattr(torchvision.models, arch)(num_classes=num_classes)

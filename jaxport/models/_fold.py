@@ -16,7 +16,7 @@ import numpy as np
 
 from .._errors import ConfigError
 from ._grads import use_custom_vjps
-from ._resnet import ARCHS, ResNet, _ConvLeaf, build
+from ._resnet import ARCHS, ResNet, _ConvLeaf, build, check_arch
 
 
 class _NoNorm(nn.Module):
@@ -123,8 +123,7 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
       >>> bool(jnp.allclose(logits, models.resnet18(num_classes=10).apply(variables, x), atol=1e-5))
       True
     """
-    if arch not in ARCHS:
-        raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    check_arch(arch)
     if not isinstance(variables, Mapping) or "params" not in variables or "batch_stats" not in variables:
         found = list(variables) if isinstance(variables, Mapping) else type(variables).__name__
         raise ConfigError(f"`variables` must hold 'params' and 'batch_stats' of a ResNet, got {found}")

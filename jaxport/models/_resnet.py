@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .._args import is_int
+from .._args import closest, is_int
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
 from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, on_xla_cpu, strided_conv, use_custom_vjps
@@ -391,9 +391,19 @@ def build(arch: str, *, cls: type[ResNet] = ResNet, **kwargs) -> ResNet:
 
     `cls` builds a ResNet subclass instead (e.g. `FoldedResNet`, see `build_folded`).
     """
-    if arch not in ARCHS:
-        raise ConfigError(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}")
+    check_arch(arch)
     return _constructor(arch, cls)(**kwargs)
+
+
+def check_arch(arch: str, error: type[Exception] = ConfigError) -> str:
+    """`arch` if it names one of torchvision's ResNets (`ARCHS`), else `error` listing them and the
+    name most likely meant: the one check behind `build`, `build_folded`, the converter and the
+    torch reference."""
+    if arch in ARCHS:
+        return arch
+    guess = closest(arch, list(ARCHS)) if isinstance(arch, str) else None
+    raise error(f"`arch` (={arch!r}) is not a known architecture; expected one of {', '.join(ARCHS)}"
+                + (f"; did you mean {guess!r}?" if guess else ""))
 
 
 resnet18 = _constructor("resnet18")
