@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
 import shutil
@@ -167,6 +168,24 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
         finally:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def remove_temporaries(directory: str | os.PathLike, names: tuple[str, ...]) -> list[Path]:
+    """Remove the hidden temporary files `atomic_path` left in `directory` for `names`.
+
+    A process killed outright (SIGKILL, the out-of-memory killer) runs no cleanup, so a write it
+    was in leaves `.NAME.XXXXXXXX.tmp` behind: as large as the file (a ResNet-152's variables
+    take 240 MB), and never reused, since each write picks a new random name. Only for a
+    directory one writer owns (a training run's workdir): a live writer's file would go too.
+    Returns the files removed.
+    """
+    gone = []
+    for name in names:
+        for tmp in Path(directory).glob(f".{glob.escape(name)}.*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                gone.append(tmp)
+    return gone
 
 
 class Terminated(KeyboardInterrupt):

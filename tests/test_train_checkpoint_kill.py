@@ -2,14 +2,15 @@
 
 A run SIGKILLed while orbax's keep-last rotation deletes the oldest step leaves that directory
 half-deleted (orbax removes it with a recursive delete); killed while writing a step, it leaves a
-`<step>.orbax-checkpoint-tmp` directory. Neither stops an exact resume from the newest step (orbax
-skips the temporary one and the next save replaces it; the rotation deletes the half-deleted one):
-checked by killing `jaxport train` at random moments. What broke was the advice when the newest
+`<step>.orbax-checkpoint-tmp` directory. Neither stops an exact resume from the newest step (the
+next run removes the temporary one; the rotation deletes the half-deleted one): checked by killing
+`jaxport train` at random moments. What broke was the advice when the newest
 step itself cannot be read: it named the next older step without asking whether that one reads,
 though it may be the half-deleted one, and for the only checkpoint it said to train again without
 --resume, which a workdir holding metrics.jsonl refuses. The states are built by hand on a small
 state tree, so the file takes seconds.
 """
+import logging
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxport import _io
 from jaxport._errors import CheckpointError, ConfigError
 from jaxport.train import TrainConfig, _checkpoint, _loop, load_workdir
 
@@ -71,7 +73,8 @@ def test_a_broken_newest_step_names_the_newest_that_reads_not_a_half_deleted_one
         _restore(work)
     assert re.fullmatch(rf"checkpoint step 4 in {ckpt} cannot be read \(.+\); delete {ckpt / '4'} and "
                         rf"{ckpt / '3'} \(unreadable too\) to resume from step 2", str(e.value)), e.value
-    assert sorted(os.listdir(ckpt)) == ["2", "3", "4", "5.orbax-checkpoint-tmp"]  # nothing removed for the user
+    # No step is removed for the user; the partial write of step 5, which no reader takes, is.
+    assert sorted(os.listdir(ckpt)) == ["2", "3", "4"]
 
     # Following the advice resumes exactly from step 2, and the next saves go past the leftovers.
     shutil.rmtree(ckpt / "4")
@@ -167,3 +170,36 @@ def test_export_reads_the_newer_step_when_the_run_rotates_the_listed_one_away(tm
     assert calls == [1, 2] and arch == "resnet18"
     np.testing.assert_array_equal(variables["params"]["w"], _state(2)["params"]["w"])
     assert sorted(os.listdir(work / "checkpoints")) == ["2"]  # the reader wrote and deleted nothing
+
+
+def test_a_killed_save_leaves_nothing_once_the_run_is_resumed_and_a_reader_removes_nothing(tmp_path, caplog):
+    """A SIGKILL while orbax wrote step 5 left `5.orbax-checkpoint-tmp/` (full size). Orbax reused
+    it only if the resumed run saved step 5 again, logging "WARNING:absl:Attempted to create
+    temporary directory ... which already exists" on the user's terminal; resumed with another
+    --checkpoint-every (step 8 here), it stayed for good. The same for `atomic_path`'s hidden
+    temporaries of the run's other files."""
+    work = _workdir(tmp_path, [3])
+    ckpt = work / "checkpoints"
+    for step in (5, 8):
+        shutil.copytree(ckpt / "3", ckpt / f"{step}.orbax-checkpoint-tmp")
+    leftovers = [work / ".metrics.jsonl.k2j4h1xz.tmp", work / ".variables.safetensors.0a9b8c7d.tmp",
+                 work / ".training_curves.png.zz_1y2x3.tmp"]
+    for f in leftovers:
+        f.write_bytes(b"\0" * 1000)
+    (work / ".notes.txt.abcdefgh.tmp").write_text("not ours")
+
+    variables, _ = load_workdir(str(work))  # a reader (export while a run trains) removes nothing
+    np.testing.assert_array_equal(variables["params"]["w"], _state(3)["params"]["w"])
+    assert sorted(os.listdir(ckpt)) == ["3", "5.orbax-checkpoint-tmp", "8.orbax-checkpoint-tmp"]
+
+    with caplog.at_level(logging.WARNING):
+        mngr = _checkpoint.manager(str(work), 3)
+        _checkpoint.save(mngr, 5, _state(5), {"arch": "resnet18", "epoch_sums": [0.0, 0.0, 0.0]})
+        mngr.close()
+    assert sorted(os.listdir(ckpt)) == ["3", "5"]
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    jax.tree.map(np.testing.assert_array_equal, _restore(work)[0], _state(5))
+
+    # `jaxport train` sweeps the hidden files on start (its resume tests check it does).
+    assert sorted(_io.remove_temporaries(work, _loop.OUTPUTS)) == sorted(leftovers)
+    assert sorted(f.name for f in work.iterdir()) == [".notes.txt.abcdefgh.tmp", "checkpoints"]

@@ -3,7 +3,7 @@
 A checkpoint is `WORKDIR/checkpoints/<step>/` with two items: `state` (the whole TrainState:
 step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, classes, seed,
 batch size, image size, epoch accumulators). Orbax writes into a temporary directory and renames it when complete, so a
-run killed mid-save leaves no half-written step; unfinished temporaries are ignored. A run killed
+run killed mid-save leaves no half-written step; the next run removes its temporary. A run killed
 while the rotation deletes the oldest step may leave it half-deleted: resuming reads the newest
 step, and the next save deletes that one. A newest step that cannot be read (a damaged disk, not a
 kill) stops `--resume` with an error naming the newest step that reads, never a silent fallback.
@@ -34,9 +34,16 @@ def checkpoint_dir(workdir: str) -> str:
     return os.path.join(os.path.abspath(workdir), "checkpoints")
 
 
-def manager(workdir: str, max_to_keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=not read_only, read_only=read_only,
-                                           enable_async_checkpointing=False)
+def manager(workdir: str, max_to_keep: int | None = 3, reader: bool = False) -> ocp.CheckpointManager:
+    """The run's checkpoint manager; a `reader` (`load_workdir`) creates, removes and rotates
+    nothing, since a run may be writing into `workdir` meanwhile. (Not orbax's `read_only`: it
+    logs two absl warnings on each open, which reached `jaxport export`'s one-line output.)"""
+    # A run killed while orbax wrote a step leaves `<step>.orbax-checkpoint-tmp/`, as large as a
+    # checkpoint. Orbax reused it only when the resumed run saved that same step again, logging
+    # a raw absl WARNING on the user's terminal; a run resumed with another --checkpoint-every
+    # kept it for good. The writing run removes them on start (orbax's primary process does).
+    options = ocp.CheckpointManagerOptions(max_to_keep=None if reader else max_to_keep, create=not reader,
+                                           enable_async_checkpointing=False, cleanup_tmp_directories=not reader)
     # Handlers named up front: `item_metadata` (used by `load_workdir`) then knows how to read
     # each item instead of warning that it "could not be restored".
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
@@ -208,7 +215,7 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
     if not os.path.isdir(path):
         raise CheckpointError(f"`workdir` (={workdir}) has no checkpoints/ directory"
                               + (instead or "; train into it with `jaxport train --workdir` first"))
-    mngr = manager(workdir, max_to_keep=None)
+    mngr = manager(workdir, reader=True)
     try:
         steps = sorted(mngr.all_steps())
         if not steps:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._args import finite, is_int, is_real, one_of
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
-from .._io import atomic_path, save_variables, unwritable
+from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _memory
 from ._init import fit_head, load_init
@@ -545,6 +545,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     os.makedirs(cfg.workdir, exist_ok=True)
     _distributed.check_shared_workdir(cfg.workdir)
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
+    if lead:  # what a SIGKILL during an earlier run's metrics, plot or variables write left
+        remove_temporaries(cfg.workdir, OUTPUTS)
     meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
             "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0],
             "settings": {k: getattr(cfg, k) for k in _RESUMABLE} | {"num_devices": n_dev}}
