@@ -7,7 +7,6 @@ runtime error XLA raises, since a CPU host does not run out at these sizes.
 import re
 
 import jax
-import numpy as np
 import pytest
 
 from jaxport import _cli
