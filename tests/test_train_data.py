@@ -228,3 +228,35 @@ def test_a_val_image_hard_linked_into_train_is_held_out_of_neither_twice(tmp_pat
     inodes = [os.stat(p).st_ino for p, _ in train + val]
     assert len(inodes) == len(set(inodes)) == 12  # 6 + 6 files, two of them reached twice
     assert (len(train), len(val)) == (7, 5)  # the linked file is train/'s, which is scanned first
+
+
+def test_a_class_folder_that_only_links_to_another_class_is_named_as_such(tmp_path):
+    """`bird -> cat` (or val/dog -> train/dog): every file is another class's (or split's), so the
+    folder has no sample, and the error said it "holds no readable images" though it is full of
+    them. It says whose images they are now."""
+    root = tmp_path / "data"
+    for c in ("cat", "dog"):
+        _images(root / c, 3, start=10 * (c == "dog"))
+    os.symlink(root / "cat", root / "bird")
+    with pytest.raises(ConfigError) as e:
+        _quiet(_data._scan, str(root), "--data")
+    assert str(e.value) == (f"`--data` (={root}): class folder(s) 'bird' hold no images of their own: 'bird' only links "
+                            "to the images of 'cat' (each file is one sample, with one label); add images or remove "
+                            "the folder(s)")
+
+    split = tmp_path / "split"
+    for c in ("cat", "dog"):
+        _images(split / "train" / c, 3, start=10 * (c == "dog"))
+    _images(split / "val" / "cat", 3, start=20)
+    os.symlink(split / "train" / "dog", split / "val" / "dog")
+    seen: set = set()
+    _quiet(_data._scan, str(split / "train"), "--data", seen)
+    with pytest.raises(ConfigError, match=r"has images of a single class \('cat'\); 'dog' only links to the images of "
+                                          r"the training split \(each file is one sample, with one label\); "
+                                          r"classification needs at least 2"):
+        _quiet(_data._scan, str(split / "val"), "--data", seen)
+
+    os.remove(root / "bird")  # a folder with no image files at all keeps the plain message
+    (root / "bird").mkdir()
+    with pytest.raises(ConfigError, match=r"class folder\(s\) 'bird' hold no readable images \(\.jpg"):
+        _quiet(_data._scan, str(root), "--data")

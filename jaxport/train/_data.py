@@ -207,13 +207,17 @@ def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], lis
     candidates = [(path, label) for label, (cls, real) in enumerate(zip(classes, class_dirs))
                   for path in _image_files(os.path.join(root, cls), blocked - {real})]
     # One sample per real file: a file linked (itself, or a folder above it) into another class
-    # folder belongs to the class folder that really holds it (then a link loses to the file
-    # itself), else to the first path reaching it.
-    def rank(i: int) -> tuple[bool, bool]:
+    # folder belongs to the class folder that really holds it (then a class folder that is itself
+    # a link loses, as does a link to the file itself), else to the first path reaching it.
+    folder_links = {label for label, c in enumerate(classes) if os.path.islink(os.path.join(root, c))}
+
+    def rank(i: int) -> tuple[bool, bool, bool]:
         path, label = candidates[i]
-        return os.path.realpath(path).startswith(class_dirs[label] + os.sep), not os.path.islink(path)
+        return (os.path.realpath(path).startswith(class_dirs[label] + os.sep), label not in folder_links,
+                not os.path.islink(path))
 
     owner: dict[object, int] = {}
+    taken = set(seen)  # the other split's, for the error below
     for i, (path, _) in enumerate(candidates):
         real = _identity(path)
         if real in seen:  # taken by the other split
@@ -253,12 +257,37 @@ def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], lis
     if empty and len(used) >= 2:
         # A class the model could never learn, which would also shift every label after it;
         # torchvision's ImageFolder refuses such folders too.
-        raise ConfigError(f"`{name}` (={root}): class folder(s) {', '.join(map(repr, empty[:5]))} hold no readable "
-                          f"images ({', '.join(IMG_EXTENSIONS)}); add images or remove the folder(s)")
+        linked = _links_only(candidates, owner, taken, classes, empty)
+        what = (f"no images of their own: {linked}" if linked else
+                f"no readable images ({', '.join(IMG_EXTENSIONS)})")
+        raise ConfigError(f"`{name}` (={root}): class folder(s) {', '.join(map(repr, empty[:5]))} hold {what}; add "
+                          "images or remove the folder(s)")
     if len(used) < 2:
-        raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r}); "
-                          "classification needs at least 2 class sub-folders with images")
+        linked = _links_only(candidates, owner, taken, classes, empty)
+        raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r})"
+                          f"{'; ' + linked if linked else ''}; classification needs at least 2 class sub-folders "
+                          "with images")
     return classes, samples, skipped
+
+
+def _links_only(candidates: list[tuple[str, int]], owner: dict, taken: set, classes: list[str],
+                empty: list[str]) -> str | None:
+    """Why class folders in `empty` that do hold image files have no samples: each of their files
+    is another class folder's (a link, or the folder itself links to that class), or the other
+    split's. Said, since "hold no readable images" of a folder full of images misleads."""
+    others: dict[str, set[str]] = {}
+    for i, (path, label) in enumerate(candidates):
+        if classes[label] in empty:
+            real = _identity(path)
+            j = owner.get(real)
+            other = repr(classes[candidates[j][1]]) if j is not None and j != i else \
+                "the training split" if real in taken else None
+            if other:
+                others.setdefault(classes[label], set()).add(other)
+    if not others:
+        return None
+    said = [f"{c!r} only links to the images of {' and '.join(sorted(o))}" for c, o in others.items()]
+    return f"{', '.join(said[:5])} (each file is one sample, with one label)"
 
 
 def _identity(path: str) -> object:
