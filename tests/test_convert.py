@@ -121,6 +121,27 @@ def test_every_problem_is_reported_at_once():
     assert "1 wrong shape: layer3.1.conv2.weight: got (256, 256, 1, 1), expected (256, 256, 3, 3)" in msg
 
 
+@pytest.mark.parametrize("classes", [1000, 10])
+def test_a_transposed_classifier_is_named_as_such_both_ways(classes):
+    """fc.weight saved (512, 1000): the classes were read from its first axis, so the error claimed
+    a 512-class head ("expected (512, 512)"; fc.bias "expected (512,)") and suggested
+    --backbone-only, which drops the head. The bias tells the classes."""
+    sd = dict(reference("resnet18", num_classes=classes).state_dict())
+    sd["fc.weight"] = sd["fc.weight"].T
+    assert torch_compat.num_classes_of(sd) == classes
+    with pytest.raises(ConversionError) as e:
+        torch_compat.torch_to_flax(sd, "resnet18")
+    assert str(e.value).endswith(f"1 wrong shape: fc.weight: got (512, {classes}), expected ({classes}, 512). "
+                                 "fc.weight is the transpose of what fits (torch's Linear weight is (out, in), Flax's "
+                                 "Dense kernel (in, out)): transpose it (`.T`) and convert again"), e.value
+
+    variables = torch_compat.torch_to_flax(reference("resnet18", num_classes=classes).state_dict(), "resnet18")
+    variables["params"]["fc"]["kernel"] = variables["params"]["fc"]["kernel"].T
+    with pytest.raises(ConversionError, match=rf"params/fc/kernel: got \({classes}, 512\), expected \(512, {classes}\)\. "
+                                              r"params/fc/kernel is the transpose of what fits"):
+        torch_compat.flax_to_torch(variables, "resnet18")
+
+
 def test_arrays_instead_of_tensors_are_one_clear_error():
     """e.g. `safetensors.numpy.load_file(...)`: was an AttributeError ('numel') from deep inside."""
     sd = {k: v.numpy() for k, v in reference("resnet18").state_dict().items()}

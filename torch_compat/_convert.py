@@ -231,7 +231,7 @@ def _check(
     expected = {getattr(e, key_of): e for e in entries}
     missing = [k for k, e in expected.items() if k not in found_shapes and e.torch_key.rsplit(".", 1)[1] not in _OPTIONAL]
     unexpected = [k for k in found_shapes if k not in expected]
-    wrong = []
+    wrong, transposed = [], []
     for k, shape in found_shapes.items():
         e = expected.get(k)
         if e is None:
@@ -239,6 +239,8 @@ def _check(
         want = e.torch_shape if key_of == "torch_key" else _permuted(e.torch_shape, e.perm)
         if tuple(shape) != tuple(want):
             wrong.append(f"{k}: got {tuple(shape)}, expected {tuple(want)}")
+            if len(want) == 2 and tuple(shape) == tuple(want)[::-1]:
+                transposed.append(k)
     if not (missing or unexpected or wrong):
         return
     parts = [f"{what} do not fit {arch}"]
@@ -251,7 +253,13 @@ def _check(
             parts.append(f"{len(items)} {label}: {shown}")
     misfits = missing + unexpected + [w.split(":", 1)[0] for w in wrong]
     outside = key_of == "torch_key" and not any(k.split(".", 1)[0] in BACKBONE_MODULES for k in misfits)
-    if outside and "fc.weight" in found_shapes and not any(k.split(".", 1)[0] == "fc" for k in misfits):
+    if transposed and misfits == transposed:
+        # A Linear weight saved in the other framework's order: --backbone-only would drop it.
+        one = len(transposed) == 1
+        parts.append(f"{' and '.join(transposed)} {'is' if one else 'are'} the transpose of what fits (torch's Linear "
+                     f"weight is (out, in), Flax's Dense kernel (in, out)): transpose {'it' if one else 'them'} "
+                     "(`.T`) and convert again")
+    elif outside and "fc.weight" in found_shapes and not any(k.split(".", 1)[0] == "fc" for k in misfits):
         # The backbone and torchvision's `fc` both fit: the extra keys are modules beside them, which
         # --backbone-only would not keep any more than it keeps `fc`.
         parts.append(_beside_the_head(arch, unexpected))
@@ -292,10 +300,17 @@ def _beside_the_head(arch: str, unexpected: list[str]) -> str:
 def _num_classes(shapes: Mapping[str, tuple[int, ...]], fc_key: str, axis: int) -> int | None:
     """The classifier size: the classes axis of the `fc` weight; 0 when nothing is under `fc`
     (a backbone); None when `fc` is there but is not one 2-D weight (not torchvision's head)."""
+    sep = "." if "." in fc_key else "/"
+    module = fc_key.rsplit(sep, 1)[0] + sep
     fc = shapes.get(fc_key)
     if fc is not None and len(fc) == 2:
+        # A weight saved transposed, (512, 1000) beside a (1000,) bias, was read as a 512-class
+        # head that then misfit everywhere ("fc.weight: expected (512, 512)"); the bias tells
+        # the classes, so the error names the weight's real misfit: expected (1000, 512).
+        bias = shapes.get(module + "bias")
+        if bias is not None and len(bias) == 1 and bias[0] != fc[axis] and bias[0] == fc[1 - axis]:
+            return int(bias[0])
         return int(fc[axis])
-    module = fc_key.rsplit(".", 1)[0] + "." if "." in fc_key else fc_key.rsplit("/", 1)[0] + "/"
     return None if any(k.startswith(module) for k in shapes) else 0
 
 
