@@ -36,13 +36,24 @@ def main():
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     p.add_argument("--workdir", default=None, help="where the run and model.pt go (default: a new temp dir)")
     args = p.parse_args()
-    work = args.workdir or tempfile.mkdtemp(prefix="jaxport-finetune-")
-    os.makedirs(work, exist_ok=True)  # a --workdir that does not exist yet is made, not a torch.save error
-
-    # 1. A torch model with an ImageNet-style head of 1000 classes, saved as a torch user would.
+    settings = dict(arch="resnet18", epochs=args.epochs, image_size=args.image_size, batch_size=64, lr=args.lr,
+                    max_steps=args.max_steps, progress=sys.stderr.isatty())
+    # train() checks its settings, but only after step 1 wrote a 47 MB torch checkpoint: a bad
+    # flag left it behind. They are checked before anything is written.
+    TrainConfig(workdir=os.path.join(args.workdir or tempfile.gettempdir(), "run"), **settings).validate()
     ckpt = args.checkpoint
     if ckpt is not None and not os.path.isfile(ckpt):
         p.error(f"--checkpoint (={ckpt}) is not a file; pass a torchvision resnet18 state_dict, or leave it out")
+    if args.checkpoint is not None and (found := detect_arch(load_state_dict(ckpt))) != "resnet18":
+        p.error(f"--checkpoint (={ckpt}) holds {found} weights; this example fine-tunes a resnet18 "
+                f"(for other architectures use `jaxport train --arch {found} --init {ckpt}`)")
+    work = args.workdir or tempfile.mkdtemp(prefix="jaxport-finetune-")
+    run = os.path.join(work, "run")
+    if os.path.isdir(run) and os.listdir(run):  # train() would suggest --resume, which this script does not have
+        p.error(f"--workdir (={work}) already holds a run in {run}; choose a new directory (nothing was changed)")
+    os.makedirs(work, exist_ok=True)  # a --workdir that does not exist yet is made, not a torch.save error
+
+    # 1. A torch model with an ImageNet-style head of 1000 classes, saved as a torch user would.
     if ckpt is None:
         torch.manual_seed(0)
         ckpt = os.path.join(work, "torch_resnet18.pt")
@@ -50,14 +61,7 @@ def main():
 
     # 2. Fine-tune in JAX, data-parallel over all devices; `init` ports the torch checkpoint and
     #    re-initialises the 1000-class head for the 10 digit classes (a message says so).
-    run = os.path.join(work, "run")
-    if os.path.isdir(run) and os.listdir(run):  # train() would suggest --resume, which this script does not have
-        p.error(f"--workdir (={work}) already holds a run in {run}; choose a new directory (nothing was changed)")
-    if args.checkpoint is not None and (found := detect_arch(load_state_dict(ckpt))) != "resnet18":
-        p.error(f"--checkpoint (={ckpt}) holds {found} weights; this example fine-tunes a resnet18 "
-                f"(for other architectures use `jaxport train --arch {found} --init {ckpt}`)")
-    result = train(TrainConfig(workdir=run, init=ckpt, arch="resnet18", epochs=args.epochs, image_size=args.image_size,
-                               batch_size=64, lr=args.lr, max_steps=args.max_steps, progress=sys.stderr.isatty()))
+    result = train(TrainConfig(workdir=run, init=ckpt, **settings))
     if "val_acc" in result:
         print(f"JAX fine-tuned for {result['step']} steps: held-out accuracy {result['val_acc']:.4f}")
 
@@ -89,3 +93,5 @@ if __name__ == "__main__":
         sys.exit(main())
     except JaxportError as e:  # bad input: one line, as the CLI prints it
         sys.exit(f"finetune_ported_resnet.py: error: {e}")
+    except OSError as e:  # --workdir cannot be written (read-only, full disk)
+        sys.exit(f"finetune_ported_resnet.py: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}")

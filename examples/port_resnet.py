@@ -23,16 +23,30 @@ import jaxport
 import torch_compat
 
 
+def _is_port(path: str) -> bool:
+    """Whether `path` holds variables written by `jaxport.save_variables` (or `jaxport port`)."""
+    try:
+        return jaxport.read_metadata(path).get("format") == "jaxport.variables"
+    except jaxport.JaxportError:  # not a safetensors file
+        return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", nargs="?")
     parser.add_argument("--out", default="ported.safetensors")
+    parser.add_argument("--force", action="store_true", help="replace an existing --out that is not an earlier port")
     args = parser.parse_args()
     path = args.checkpoint or torch_compat.default_checkpoint()
     # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
     # writing over the checkpoint itself would destroy it.
     if os.path.exists(args.out) and os.path.exists(path) and os.path.samefile(args.out, path):
         parser.error(f"--out (={args.out}) is the checkpoint itself; name another file")
+    # As `jaxport port --out`: an earlier port is replaced (a re-run), any other file only with
+    # --force (the default name in the current directory replaced whatever had that name).
+    if os.path.isfile(args.out) and not args.force and not _is_port(args.out):
+        parser.error(f"--out (={args.out}) already exists and is not an earlier port; nothing was written: name "
+                     "another file, or pass --force to replace it")
 
     # 1. Load safely (weights-only unpickler; `module.`/`_orig_mod.` stripped) and convert.
     state_dict = torch_compat.load_state_dict(path)
@@ -81,3 +95,5 @@ if __name__ == "__main__":
         sys.exit(main())
     except jaxport.JaxportError as e:  # bad input: one line, as the CLI prints it
         sys.exit(f"port_resnet.py: error: {e}")
+    except OSError as e:  # --out cannot be written (a file where a directory should be, a read-only or full disk)
+        sys.exit(f"port_resnet.py: error: {e.filename + ': ' if e.filename else ''}{e.strerror or e}")

@@ -83,6 +83,11 @@ def require_space(directory: str | os.PathLike, nbytes: int, what: str) -> None:
     """
     free = shutil.disk_usage(directory).free
     if free < nbytes:
+        # A file system that takes no files (/proc, a read-only mount) reports 0 bytes free too:
+        # "0.0 MB are free; free some space" sent the user to clean a disk that is not full.
+        blocked = unwritable(os.path.join(directory, "probe"))
+        if blocked:
+            raise OSError(errno.EACCES, f"cannot {what}: {blocked}; write elsewhere")
         raise OSError(errno.ENOSPC, f"not enough space to {what}: it needs {nbytes / 1e6:.1f} MB and "
                                     f"{free / 1e6:.1f} MB are free there; free some space or write elsewhere")
 
@@ -145,6 +150,10 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
     except OSError as e:
         if e.filename is None:  # require_space's own message
             raise
+        # A file where a directory of the path should be: mkdir's bare "File exists" named nothing.
+        file = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+        if file is not None:
+            raise OSError(errno.ENOTDIR, f"'{file}' is a file, not a directory", str(path)) from e
         # Name the file asked for, not the first missing directory.
         raise OSError(e.errno, e.strerror, str(path)) from e
     tmp = None

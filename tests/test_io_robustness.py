@@ -238,3 +238,20 @@ def test_save_variables_never_replaces_a_device_fifo_or_directory(tmp_path, targ
         with pytest.raises(OSError, match="not a regular file; nothing was written"):
             with atomic_path(path):
                 pass
+
+
+def test_save_variables_names_why_a_path_cannot_be_written(tmp_path):
+    """A file where a directory of the path should be raised mkdir's bare "File exists"; /proc
+    (which takes no files) was reported as a full disk: "it needs 0.0 MB and 0.0 MB are free
+    there; free some space"."""
+    (tmp_path / "notes.txt").write_text("kept")
+    variables = {"params": {"w": np.zeros(3, np.float32)}}
+    with pytest.raises(OSError) as e:
+        jaxport.save_variables(tmp_path / "notes.txt" / "x.safetensors", variables)
+    assert (e.value.strerror, e.value.filename) == ("'" + str(tmp_path / "notes.txt") + "' is a file, not a directory",
+                                                    str(tmp_path / "notes.txt" / "x.safetensors"))
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+    if os.path.isdir("/proc/self"):
+        with pytest.raises(OSError, match=r"cannot write '/proc/x.safetensors': its directory '/proc' does not "
+                                          r"accept new files \(.+\); write elsewhere$"):
+            jaxport.save_variables("/proc/x.safetensors", variables)

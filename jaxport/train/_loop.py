@@ -80,6 +80,14 @@ class TrainConfig:
     num_processes: int | None = None
     process_id: int | None = None
 
+    def validate(self) -> None:
+        """The checks `train` makes first, for callers that write something before calling it.
+
+        Raises:
+          ConfigError: a setting that `train` would refuse, named with its flag and the fix.
+        """
+        _validate(self)
+
 
 def _validate(cfg: TrainConfig) -> None:
     # "" is no directory: it failed with "No such file or directory: ''" after the model was built.
