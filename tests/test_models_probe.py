@@ -161,6 +161,22 @@ def test_input_channels_that_do_not_fit_conv1_are_named_as_torch_names_them(shap
             model.apply(v, jnp.zeros(shape))
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int32, jnp.bool_])
+def test_integer_images_are_refused_as_torch_refuses_them(dtype):
+    """uint8 pixels (0-255, before ToTensor and Normalize) ran through, promoted to float, giving
+    the logits of unnormalised images; torch's conv2d refuses the dtype."""
+    ref = torchvision.models.resnet18(num_classes=2).eval()
+    with pytest.raises(RuntimeError):
+        ref(torch.zeros((1, 3, 32, 32), dtype=torch.uint8))
+    variables = torch_compat.torch_to_flax(ref.state_dict())
+    x = jnp.zeros((1, 32, 32, 3), dtype)
+    for model in (models.resnet18(num_classes=2), models.build_folded("resnet18", num_classes=2)):
+        v = variables if not isinstance(model, models.FoldedResNet) else models.fold_batchnorm(variables, "resnet18")
+        with pytest.raises(ConfigError, match=rf"input has dtype {jnp.dtype(dtype).name} \(shape \(1, 32, 32, 3\)\); "
+                                              r"pass floating-point images preprocessed as for training"):
+            model.apply(v, x)
+
+
 # --- tensors as torch may hold them -----------------------------------------------------------
 
 

@@ -276,6 +276,12 @@ class ResNet(nn.Module):
                 fix = f"pass images with {want} channels (NHWC)"
             raise ConfigError(f"ResNet input has {x.shape[-1]} channels (shape {tuple(x.shape)}, NHWC) but the "
                               f"variables' conv1 kernel takes {want}: {fix}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            # uint8 pixels ran through (promoted to float): logits of unnormalised 0-255 inputs,
+            # where torch's conv2d refuses the dtype.
+            raise ConfigError(f"ResNet input has dtype {x.dtype} (shape {tuple(x.shape)}); pass floating-point images "
+                              "preprocessed as for training, e.g. torchvision's ToTensor (0-255 to 0-1) then "
+                              "Normalize(mean, std)")
         if x.shape[1] == 0 or x.shape[2] == 0:
             raise ConfigError(f"ResNet input has no pixels: shape {tuple(x.shape)} (NHWC); pass images of at least "
                               "1x1 (torch refuses this too)")
