@@ -243,8 +243,8 @@ def test_resume_says_which_settings_changed(tmp_path):
     assert "resuming from step 1" in same and not any("changed" in m for m in same), same
     train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 3, "lr": 0.01, "epochs": 3,
                          "sync_bn": True}), log=changed.append)
-    assert ("resuming from step 2 with changed settings: --epochs 3 (was 2), --lr 0.01 (was 0.05), --sync-bn True "
-            "(was False) (the cosine schedule now ends at the new --epochs)") in changed, changed
+    assert ("resuming from step 2 with changed settings: --epochs 3 (was 2), --lr 0.01 (was 0.05), --sync-bn "
+            "(was off) (the cosine schedule now ends at the new --epochs)") in changed, changed
     # A momentum of 0 keeps no buffer (as torch): the state's structure differs. This said
     # "cannot be read ... delete checkpoints/3" of a good checkpoint.
     with pytest.raises(ConfigError, match=r"--resume: `--momentum` \(=0.0\) cannot continue the run in .*, trained "

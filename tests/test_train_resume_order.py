@@ -215,3 +215,53 @@ def test_a_workdir_that_cannot_be_written_is_refused_before_any_work(tmp_path, m
                                           r"'/proc/jaxport-x' does not exist and cannot be made: '/proc' does not "
                                           r"accept new directories"):
         train(TrainConfig(workdir="/proc/jaxport-x", progress=False))
+
+
+def test_resume_refuses_data_that_changed_since_the_checkpoint(tmp_path, data, reference):
+    """A probe added images to --data and resumed: steps per epoch changed, so the checkpoint's
+    step fell mid-way through another epoch, a finished epoch's row was deleted, an "epoch" of a
+    few steps was logged as whole and the held-out split was redrawn; all without a word. The
+    checkpoint records the data now (counts and a digest of its files), and a change is refused
+    before anything is rewritten. The same files under another path resume as before."""
+    moved = tmp_path / "moved"
+    shutil.copytree(data, moved)
+    work = _copy(reference, tmp_path)
+    said = []
+    assert train(_cfg(work, moved, resume=True), log=said.append)["steps_run"] == 0
+    assert any(m.startswith("nothing to train") for m in said), said
+    before = {p: p.read_bytes() for p in work.rglob("*") if p.is_file()}
+
+    write_images(moved / "a", 2, start=100)
+    with pytest.raises(ConfigError, match=rf"--resume: `--data` has changed since the checkpoint in {work} was written "
+                                          r"\(20 train / 2 val images, the checkpoint's run had 18 / 2\); .*restore "
+                                          r"the data, or start a new --workdir"):
+        train(_cfg(work, moved, resume=True, epochs=4))
+    for p in (moved / "a").glob("10[01].png"):
+        p.unlink()
+    write_images(moved / "b", 1, start=3, size=(30, 30))  # 3.png replaced: same name, other content and size
+    with pytest.raises(ConfigError, match=r"changed since .* \(the same number of images, but other files"):
+        train(_cfg(work, moved, resume=True, epochs=4))
+    assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
+
+
+def test_resume_rewrites_metrics_to_one_row_per_finished_epoch(tmp_path, data, reference):
+    """A deleted metrics.jsonl was not reported (a truncated one was); a row repeated by an edit
+    stayed twice (and twice in the plot); an epoch that is not an integer ("0") was an internal
+    error (TypeError) instead of the file's own one-line error."""
+    work = _copy(reference, tmp_path)
+    metrics = work / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.unlink()
+    said = []
+    train(_cfg(work, data, resume=True), log=said.append)
+    assert f"--resume: {metrics} holds no row for epoch(s) 1, 2, 3; they cannot be recomputed, and the plot will " \
+           "miss them" in said, said
+
+    metrics.write_text(lines[0] + lines[0] + lines[1] + lines[2])
+    train(_cfg(work, data, resume=True))
+    assert _rows(work) == reference[1]
+
+    for epoch in ('"0"', "null", "-1", "true", "1.5"):
+        metrics.write_text(lines[0].replace('"epoch": 0', f'"epoch": {epoch}', 1))
+        with pytest.raises(CheckpointError, match=rf"line 1 is not a metrics row .*integer epoch \(it is {epoch}\)"):
+            train(_cfg(work, data, resume=True))

@@ -194,6 +194,9 @@ def _read_metrics(path: str, torn_ok: bool = False) -> list[dict]:
             why = f"not JSON: {e.msg}"
         else:
             missing = [k for k in METRIC_KEYS if k not in row] if isinstance(row, dict) else ["an object"]
+            if not missing and not (isinstance(row["epoch"], int) and not isinstance(row["epoch"], bool)
+                                    and row["epoch"] >= 0):
+                missing = ["integer epoch (it is " + json.dumps(row["epoch"]) + ")"]
             if not missing:
                 rows.append(row)
                 continue
@@ -273,6 +276,18 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
             saved.get("classes") is not None and list(saved["classes"]) != meta["classes"]):
         raise ConfigError(f"--resume: the checkpoint in {workdir} was trained as {run(saved)}; this run asks for "
                           f"{run(meta)}; use the same --arch and --data, or a new --workdir")
+    # The data set's size fixes steps per epoch, hence which epoch the checkpoint's step falls in,
+    # the data order and which metrics rows are kept; its files fix which images are held out.
+    # A changed --data (images added, removed or replaced) resumed mid-way through another epoch,
+    # dropped finished epochs' rows and reported an epoch trained on a few steps as whole.
+    was, now = saved.get("data"), meta["data"]
+    if was is not None and was != now:
+        what = (f"{now['train']} train / {now['val']} val images, the checkpoint's run had {was['train']} / "
+                f"{was['val']}" if (was["train"], was["val"]) != (now["train"], now["val"]) else
+                "the same number of images, but other files (names, labels or sizes)")
+        raise ConfigError(f"--resume: `--data` has changed since the checkpoint in {workdir} was written ({what}); "
+                          "its epochs, data order and held-out split would no longer be that run's: restore the "
+                          "data, or start a new --workdir (--init it from this one to keep its weights)")
     for key in ("seed", "batch_size", "image_size"):
         if saved.get(key) != meta[key]:
             flag = "--" + key.replace("_", "-")
@@ -301,8 +316,13 @@ def _changes(saved: dict | None, now: dict, batch: int | None = None) -> str:
     """` with changed settings: --lr 0.01 (was 0.05), ...`, or nothing."""
     if saved is None:  # written before settings were recorded
         return " (its checkpoint does not record the earlier settings; this run uses the ones given now)"
-    changed = [f"--{k.replace('_', '-')} {now[k]} (was {saved.get(k)})" for k in _RESUMABLE
-               if k in saved and saved[k] != now[k]]
+    def change(k: str) -> str:  # a switch as the command line has it: "--sync-bn (was off)", not "True (was False)"
+        name = "--" + k.replace("_", "-")
+        if isinstance(now[k], bool):
+            return f"{name} (was off)" if now[k] else f"no {name} (was on)"
+        return f"{name} {now[k]} (was {saved[k]})"
+
+    changed = [change(k) for k in _RESUMABLE if k in saved and saved[k] != now[k]]
     # Another device count resumes exactly with SyncBatchNorm, but per-device BatchNorm then
     # normalises over another number of images: a change of the training, said like the others.
     was, n = saved.get("num_devices"), now.get("num_devices")
@@ -491,6 +511,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
                           f"use at most {jax.device_count()}, or None for all of them")
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
+    files = data.fingerprint() if data.fingerprint else "digits"  # what --resume and other processes compare
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     n_dev, n_proc = mesh.devices.size, jax.process_count()
 
@@ -510,7 +531,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
             "--resume (latest checkpoint step)": resumed_step,
             "--data (classes)": data.classes,
             "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
-            "--data (files)": data.fingerprint() if data.fingerprint else "",
+            "--data (files)": files,
             "starting weights (--init, --seed)": _digest(variables)})
 
     per_device_batch = None
@@ -557,6 +578,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         remove_temporaries(cfg.workdir, OUTPUTS)
     meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
             "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0],
+            "data": {"train": data.train.num_examples, "val": data.val.num_examples,
+                     "files": files},
             "settings": {k: getattr(cfg, k) for k in _RESUMABLE} | {"num_devices": n_dev}}
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
     result: dict = {}
@@ -578,11 +601,14 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         elif cfg.resume:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)
-        if lead and os.path.exists(metrics_path):
+        # A metrics.jsonl deleted since the checkpoint is missing every row: said, like a truncated one.
+        if lead and (os.path.exists(metrics_path) or start):
             # Rows past the checkpoint (a run killed between an epoch's row and its checkpoint)
             # are dropped: this run trains those epochs again and writes their rows once more.
             done = start // steps_per_epoch
-            rows = [r for r in _read_metrics(metrics_path, torn_ok=True) if r["epoch"] < done]
+            read = _read_metrics(metrics_path, torn_ok=True) if os.path.exists(metrics_path) else []
+            # One row per epoch, the last written (an edited file repeated one; the plot showed it twice).
+            rows = sorted({r["epoch"]: r for r in read if r["epoch"] < done}.values(), key=lambda r: r["epoch"])
             with atomic_path(metrics_path) as tmp, open(tmp, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
             missing = sorted(set(range(done)) - {r["epoch"] for r in rows})
