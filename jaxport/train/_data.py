@@ -217,7 +217,6 @@ def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], lis
                 not os.path.islink(path))
 
     owner: dict[object, int] = {}
-    taken = set(seen)  # the other split's, for the error below
     for i, (path, _) in enumerate(candidates):
         real = _identity(path)
         if real in seen:  # taken by the other split
@@ -257,31 +256,32 @@ def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], lis
     if empty and len(used) >= 2:
         # A class the model could never learn, which would also shift every label after it;
         # torchvision's ImageFolder refuses such folders too.
-        linked = _links_only(candidates, owner, taken, classes, empty)
+        linked = _links_only(candidates, owner, seen, classes, empty)
         what = (f"no images of their own: {linked}" if linked else
                 f"no readable images ({', '.join(IMG_EXTENSIONS)})")
         raise ConfigError(f"`{name}` (={root}): class folder(s) {', '.join(map(repr, empty[:5]))} hold {what}; add "
                           "images or remove the folder(s)")
     if len(used) < 2:
-        linked = _links_only(candidates, owner, taken, classes, empty)
+        linked = _links_only(candidates, owner, seen, classes, empty)
         raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r})"
                           f"{'; ' + linked if linked else ''}; classification needs at least 2 class sub-folders "
                           "with images")
     return classes, samples, skipped
 
 
-def _links_only(candidates: list[tuple[str, int]], owner: dict, taken: set, classes: list[str],
+def _links_only(candidates: list[tuple[str, int]], owner: dict, seen: set, classes: list[str],
                 empty: list[str]) -> str | None:
     """Why class folders in `empty` that do hold image files have no samples: each of their files
     is another class folder's (a link, or the folder itself links to that class), or the other
-    split's. Said, since "hold no readable images" of a folder full of images misleads."""
+    split's (in `seen` but owned by no path of this split). Said, since "hold no readable images"
+    of a folder full of images misleads."""
     others: dict[str, set[str]] = {}
     for i, (path, label) in enumerate(candidates):
         if classes[label] in empty:
             real = _identity(path)
             j = owner.get(real)
             other = repr(classes[candidates[j][1]]) if j is not None and j != i else \
-                "the training split" if real in taken else None
+                "the training split" if real in seen else None
             if other:
                 others.setdefault(classes[label], set()).add(other)
     if not others:
