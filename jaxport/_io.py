@@ -123,6 +123,12 @@ def file_kind(path: str | os.PathLike) -> str:
     return next((name for test, name in kinds if test(mode)), "a special file")
 
 
+def _temporary_affixes(name: str) -> tuple[str, str]:
+    """`(prefix, suffix)` of `atomic_path`'s hidden temporary for a file `name`: one definition,
+    read by the writer and by `remove_temporaries`, which must find what the writer left."""
+    return f".{name}.", ".tmp"
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
@@ -161,7 +167,8 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
     with _sigterm_raises(path):
         try:
             try:
-                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+                prefix, suffix = _temporary_affixes(path.name)
+                fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=path.parent)
             except OSError as e:  # name the file asked for, not the hidden temporary one
                 raise OSError(e.errno, e.strerror, str(path)) from e
             os.close(fd)
@@ -190,7 +197,8 @@ def remove_temporaries(directory: str | os.PathLike, names: tuple[str, ...]) -> 
     """
     gone = []
     for name in names:
-        for tmp in Path(directory).glob(f".{glob.escape(name)}.*.tmp"):
+        prefix, suffix = _temporary_affixes(glob.escape(name))
+        for tmp in Path(directory).glob(f"{prefix}*{suffix}"):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
                 gone.append(tmp)

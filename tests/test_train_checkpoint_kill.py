@@ -200,6 +200,9 @@ def test_a_killed_save_leaves_nothing_once_the_run_is_resumed_and_a_reader_remov
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     jax.tree.map(np.testing.assert_array_equal, _restore(work)[0], _state(5))
 
-    # `jaxport train` sweeps the hidden files on start (its resume tests check it does).
+    # `jaxport train` sweeps the hidden files on start (its resume tests check it does), and finds
+    # what the writer itself leaves: a write never finished (its block not left, as under SIGKILL).
+    writing = _io.atomic_path(work / "training_curves.png")
+    leftovers.append(writing.__enter__())
     assert sorted(_io.remove_temporaries(work, _loop.OUTPUTS)) == sorted(leftovers)
     assert sorted(f.name for f in work.iterdir()) == [".notes.txt.abcdefgh.tmp", "checkpoints"]
