@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import stat
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -216,20 +217,43 @@ class Terminated(KeyboardInterrupt):
     signum = signal.SIGTERM
 
 
+def raise_on_sigterm(signum, frame):
+    """A SIGTERM handler that stops the process as Ctrl-C does: it raises `Terminated`.
+
+    The CLI installs it for the whole command, so `kill` or a scheduler's SIGTERM during set-up
+    (scanning --data, building a model) ends with one line and status 143, where SIGTERM's
+    default action ended the process silently. `jaxport train`'s loop replaces it while it runs
+    (it checkpoints first)."""
+    raise Terminated("SIGTERM")
+
+
+def _jax_takes_sigterm() -> bool:
+    """Whether jax.distributed's preemption service holds SIGTERM (a multi-process run).
+
+    It installs its handler in C++, which Python's `signal.getsignal` does not see: a write
+    that set and then restored a Python handler took SIGTERM away from it for good, so after
+    `jaxport train`'s first metrics row a scheduler's SIGTERM to the lead process killed it
+    instead of making every process checkpoint the same step."""
+    distributed = sys.modules.get("jax._src.distributed")  # never imports jax itself
+    state = getattr(distributed, "global_state", None)
+    return getattr(state, "preemption_sync_manager", None) is not None
+
+
 @contextlib.contextmanager
 def _sigterm_raises(path: Path) -> Iterator[None]:
     """Within the block, SIGTERM raises `Terminated`, so `finally` clauses run before the process
     stops: SIGTERM's default action ends it at once, which left the full-size hidden temporary
     file behind.
 
-    Only that default is replaced: a handler someone installed deliberately (`jaxport train`
-    checkpoints on SIGTERM) or SIG_IGN is kept, and an enclosing block has already installed
-    one. Handlers can only be set from the main thread; elsewhere SIGTERM keeps its default
-    effect. Python runs the handler between bytecodes, so a write inside one long C call
-    (safetensors, torch.save) finishes before it stops.
+    Only the default or `raise_on_sigterm` is replaced (by a handler that also names the file):
+    a handler someone installed deliberately (`jaxport train` checkpoints on SIGTERM) or SIG_IGN
+    is kept, and an enclosing block has already installed one. Handlers can only be set from the
+    main thread; elsewhere SIGTERM keeps its effect. Python runs the handler between bytecodes,
+    so a write inside one long C call (safetensors, torch.save) finishes before it stops.
     """
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    previous = signal.getsignal(signal.SIGTERM)
+    if threading.current_thread() is not threading.main_thread() or _jax_takes_sigterm() or \
+            previous not in (signal.SIG_DFL, raise_on_sigterm):
         yield
         return
 
@@ -241,7 +265,7 @@ def _sigterm_raises(path: Path) -> Iterator[None]:
         yield
     finally:
         if signal.getsignal(signal.SIGTERM) is handler:  # unless the block deliberately set its own
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, previous)
 
 
 def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arch: str | None = None,

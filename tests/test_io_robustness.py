@@ -19,7 +19,7 @@ import safetensors.numpy
 import jaxport
 from jaxport import CheckpointError
 from jaxport._cli import main
-from jaxport._io import atomic_path, unflatten
+from jaxport._io import atomic_path, raise_on_sigterm, unflatten
 
 REPO = Path(__file__).resolve().parents[1]
 META = {"format": "jaxport.variables", "version": "1", "arch": "resnet18"}
@@ -141,6 +141,17 @@ def test_atomic_path_only_replaces_the_default_sigterm_action(tmp_path):
             assert signal.getsignal(signal.SIGTERM) is own
             tmp.write_bytes(b"c")
         assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    # The CLI's process-wide handler (SIGTERM as Ctrl-C) gives way to the one that names the
+    # file being written, and is back after it.
+    previous = signal.signal(signal.SIGTERM, raise_on_sigterm)
+    try:
+        with atomic_path(tmp_path / "d.bin") as tmp:
+            assert signal.getsignal(signal.SIGTERM) not in (raise_on_sigterm, signal.SIG_DFL)
+            tmp.write_bytes(b"d")
+        assert signal.getsignal(signal.SIGTERM) is raise_on_sigterm
     finally:
         signal.signal(signal.SIGTERM, previous)
 

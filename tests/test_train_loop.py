@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import warnings
+import types
 
 import jax
 import numpy as np
@@ -22,7 +23,7 @@ from PIL import Image
 from jaxport._errors import CheckpointError, ConfigError
 from jaxport.train import DivergedError, Interrupted, TrainConfig, load_workdir, train
 from jaxport.train import _data
-from jaxport._io import flatten as flatten_tree
+from jaxport._io import Terminated, flatten as flatten_tree
 from torch_compat import flax_to_torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -567,3 +568,22 @@ def test_the_last_line_says_how_the_run_ended():
     assert summary({"state": state, "steps_run": 3}, "w") == "stopped at step 25 (--max-steps), checkpoints in w"
     assert summary({**row, "step": 25, "state": state, "steps_run": 3}, "w") == "val accuracy 0.5000, checkpoints in w"
     assert summary({"state": state, "steps_run": 0}, "w") == "nothing to train: already at step 25, checkpoints in w"
+
+
+@pytest.mark.parametrize("error, text, code", [
+    (KeyboardInterrupt(), "interrupted (Ctrl-C)", 130),
+    (Terminated("SIGTERM"), "interrupted (SIGTERM)", 143),
+    (ConfigError("`--data` (=x) does not exist"), "`--data` (=x) does not exist", 2),
+])
+def test_a_process_that_stops_alone_tells_the_others_why_and_exits_as_the_cli_would(monkeypatch, error, text, code):
+    """A SIGTERM that reached one process before jax's preemption service held the signal
+    (while it waited for the coordinator) was told to the others as "Ctrl-C", and exited 130."""
+    from jaxport.train import _distributed
+
+    published = {}
+    client = types.SimpleNamespace(key_value_set=lambda key, value: published.update({key: value}))
+    monkeypatch.setattr(_distributed, "_client", lambda: client)
+    monkeypatch.setattr(_distributed, "_watch", {"started": True, "published": False, "finished": False})
+    _distributed.publish_failure(error)
+    assert published == {"jaxport/failed/0": text}
+    assert _distributed._watch.get("code", _distributed.EXIT_FAILED) == code

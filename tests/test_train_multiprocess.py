@@ -64,43 +64,49 @@ def test_two_processes_equal_one_process(tmp_path):
 @pytest.mark.slow
 def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(tmp_path):
     """A scheduler's SIGTERM reaching one process: jax's preemption service makes both agree on
-    a step; both checkpoint it, exit 143 with one line, and --resume continues from it."""
+    a step; both checkpoint it, exit 143 with one line, and --resume continues from it.
+
+    The second SIGTERM goes to process 0 of the resumed run, after it has rewritten metrics.jsonl
+    (`atomic_path`): that write set and then restored a Python SIGTERM handler, which took the
+    signal away from jax's C++ one, and process 0 stopped alone."""
     workdir = tmp_path / "run"
     args = [a for a in ARGS if a != "--sync-bn"]
     args[args.index("--max-steps") + 1] = "60"
     args[args.index("--checkpoint-every") + 1] = "5"
-    port = _free_port()
 
-    def launch(*extra):
-        return [subprocess.Popen([sys.executable, "-m", "jaxport.train", "--workdir", str(workdir), *args, *extra,
-                                  "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                                 env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                for i in range(2)]
+    def checkpoints():
+        folder = workdir / "checkpoints"
+        return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) if folder.exists() else []
 
-    procs = launch()
-    deadline = time.time() + 300
-    while not (workdir / "checkpoints" / "5").exists() and time.time() < deadline:
-        time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)
-    outs = [p.communicate(timeout=300) for p in procs]
-    stopped = set()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 128 + signal.SIGTERM, err[-3000:]
-        assert "Traceback" not in err
-        m = re.search(r"^jaxport: interrupted: SIGTERM at step (\d+): checkpoint saved", err, re.M)
-        assert m, err[-3000:]
-        stopped.add(int(m[1]))
-    assert len(stopped) == 1, stopped
-    step = stopped.pop()
-    steps = sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps[-1] == step and 5 <= step < 60, (steps, step)
+    def interrupt(target, after, *extra):
+        """Launches both processes, sends SIGTERM to `target` once a checkpoint past step `after`
+        exists, and returns the step both stopped at, with their stderr."""
+        port = _free_port()
+        procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", "--workdir", str(workdir), *args, *extra,
+                                   "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id",
+                                   str(i)], env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        deadline = time.time() + 300
+        while not any(s > after for s in checkpoints()) and time.time() < deadline:
+            time.sleep(0.05)
+        procs[target].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=300)[1] for p in procs]
+        stopped = set()
+        for p, err in zip(procs, errs):
+            assert p.returncode == 128 + signal.SIGTERM, (target, err[-3000:])
+            assert "Traceback" not in err
+            m = re.search(r"^jaxport: interrupted: SIGTERM at step (\d+): checkpoint saved", err, re.M)
+            assert m, (target, err[-3000:])
+            stopped.add(int(m[1]))
+        assert len(stopped) == 1, stopped
+        step = stopped.pop()
+        assert checkpoints()[-1] == step and after < step < 60, (checkpoints(), step)
+        return step, errs
 
-    port = _free_port()
-    procs = launch("--resume")
-    outs = [p.communicate(timeout=400) for p in procs]
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    assert f"resuming from step {step}" in outs[0][1]
+    step, _ = interrupt(1, 0)
+    assert not (workdir / "metrics.jsonl").exists()  # no epoch ended: nothing was written by atomic_path
+    resumed, errs = interrupt(0, step, "--resume")
+    assert f"resuming from step {step}" in errs[0]
 
 
 @pytest.mark.slow

@@ -202,3 +202,30 @@ def test_a_batch_larger_than_the_training_set_names_one_that_fits(tmp_path):
     write_images(data / "train" / "a", 3, start=10)  # 5 images
     with pytest.raises(ConfigError, match=r"\(5 images\); use at most 4 \(a multiple of the 4 devices\)"):
         train(_cfg(tmp_path / "w", data, devices=4, batch_size=8))
+
+
+_TERM_DURING_SETUP = """
+import os, signal, sys, time
+from jaxport.train import _data
+digits = _data.digits
+def digits_then_sigterm(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)  # as `kill` or a scheduler would, while --data loads
+    time.sleep(0.5)  # Python runs the handler between bytecodes: it must stop the run here
+    return digits(*args, **kwargs)
+_data.digits = digits_then_sigterm
+from jaxport._cli import main
+sys.exit(main(["train", "--workdir", sys.argv[1], "--no-progress"]))
+"""
+
+
+def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path):
+    """Before the training loop installs its checkpointing handler (data, model, compile: the
+    minutes of a large run's set-up), SIGTERM had its default action: the process vanished with
+    status -15 and no word. It now stops as Ctrl-C does, with one line and 128 + 15."""
+    workdir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", _TERM_DURING_SETUP, str(workdir)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stderr.splitlines()[-1] == "jaxport: interrupted: SIGTERM", proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (workdir / "checkpoints").exists()

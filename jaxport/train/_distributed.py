@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import socket
+import signal
 import sys
 import threading
 import time
@@ -268,8 +269,8 @@ def _everywhere(message: str) -> ConfigError:
 # after 30 s); _STALE_S comes first, and is long enough that a busy process (compiling, loading
 # data: the heartbeat thread needs the GIL only for microseconds) is never taken for a dead one.
 _FAILED, _EXITING, _ALIVE = "jaxport/failed/", "jaxport/exiting/", "jaxport/alive/"
-EXIT_FAILED, EXIT_INTERRUPTED = 2, 130  # the CLI's statuses for an error and for Ctrl-C
-_INTERRUPTED = "interrupted (Ctrl-C)"
+EXIT_FAILED = 2  # the CLI's status for an error; an interrupted process exits with 128 + the signal
+_INTERRUPTED = "interrupted ("  # + "Ctrl-C)" or "SIGTERM)"
 _POLL_S, _EXIT_WAIT_S, _STALE_S = 0.5, 10.0, 15.0
 _watch = {"started": False, "published": False, "finished": False}
 
@@ -339,7 +340,7 @@ def watch_for_failures() -> None:
                             if int(k.rsplit("/", 1)[1]) != me)
             if others:
                 who, why = others[0]
-                if why == _INTERRUPTED:
+                if why.startswith(_INTERRUPTED):
                     what, fix = f"was {why}", ("start every process again with --resume to continue from the "
                                                "latest checkpoint")
                 else:
@@ -400,8 +401,10 @@ def publish_failure(error: BaseException) -> None:
     together (`every_process`) need no telling."""
     if not _watch["started"] or getattr(error, "every_process", False):
         return
-    if isinstance(error, KeyboardInterrupt):  # Ctrl-C on this process alone
-        text, _watch["code"] = _INTERRUPTED, EXIT_INTERRUPTED
+    if isinstance(error, KeyboardInterrupt):  # Ctrl-C, or a SIGTERM jax's preemption service missed
+        signum = getattr(error, "signum", signal.SIGINT)  # `jaxport._io.Terminated` has SIGTERM
+        text = _INTERRUPTED + ("Ctrl-C)" if signum == signal.SIGINT else f"{signal.Signals(signum).name})")
+        _watch["code"] = 128 + signum
     else:
         text = (str(error).strip().splitlines() or [""])[0] or type(error).__name__
         if not isinstance(error, JaxportError):
