@@ -2,6 +2,7 @@
 
 Subprocess runs use 2 simulated CPU devices and ResNet-18 at 16 px so each takes seconds.
 """
+import io
 import json
 import os
 import re
@@ -175,6 +176,22 @@ def test_corrupt_checkpoint_on_resume(tmp_path):
                 fh.truncate(max(0, os.path.getsize(os.path.join(root, f)) // 3))
     with pytest.raises(CheckpointError, match=r"checkpoint step 2 .* cannot be read .*delete .*2 to resume from step 1"):
         train(TrainConfig(**{**cfg.__dict__, "resume": True}))
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_the_clis_default_shows_a_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, terminal):
+    """`jaxport train` passes progress=None (no --no-progress); the bar was built only for a
+    true value, so the CLI never showed one, on a terminal or not."""
+    class Stderr(io.StringIO):
+        def isatty(self):
+            return terminal
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    train(TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
+                      checkpoint_every=1000, progress=None, devices=1))
+    shown = sys.stderr.getvalue()
+    assert ("epoch 1/1" in shown and "img_s=" in shown) == terminal, shown
+    assert "training resnet18" in shown  # the log lines go there either way
 
 
 def test_export_of_a_workdir_names_what_can_be_read(tmp_path):

@@ -634,7 +634,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
                 sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
                 pending = []
                 bar = None
-                if lead and cfg.progress:
+                if lead and cfg.progress is not False:  # None (the CLI default): tqdm shows it on a terminal only
                     from tqdm import tqdm
 
                     bar = tqdm(total=steps_per_epoch, initial=offset, desc=f"epoch {epoch + 1}/{cfg.epochs}",
