@@ -1,6 +1,10 @@
 """jaxport: PyTorch vision work moved to JAX, with proof that nothing changed on the way.
 
-The JAX side. It never imports torch; the PyTorch side lives in `torch_compat`.
+The JAX side; the PyTorch side lives in `torch_compat`. Importing jaxport or any of its
+modules imports no torch. torch is imported lazily, only where it is needed: by the CLI's
+`port`, `verify`, `export` and `env`, and in training when `--init` names a torch checkpoint
+(through `torch_compat`) or `--data` an ImageFolder (`train.image_folder`: torch's DataLoader
+and torchvision's transforms).
 """
 from . import models as models
 from . import ops as ops

@@ -1,7 +1,8 @@
 """The `jaxport` command line. Thin: it parses, calls library functions, prints.
 
 torch is imported only inside the commands that need it (port, verify, export, env), through
-`torch_compat`, so `jaxport train` and the JAX side stay free of it.
+`torch_compat`, and by `jaxport train` only for what is torch's (a torch checkpoint as --init, an
+ImageFolder --data read by torch's DataLoader); the digits run and the JAX side stay free of it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """torch_compat: the PyTorch side of jaxport.
 
 Safe checkpoint loading, torchvision state_dict <-> Flax conversion, cross-checks, and
-torch-equivalent optimizers. Only this package imports torch.
+torch-equivalent optimizers. Importing it imports torch and torchvision; importing `jaxport`
+imports neither (see its docstring for the commands that import torch lazily).
 """
 from ._convert import backbone_state_dict as backbone_state_dict
 from ._convert import cast_floating as cast_floating

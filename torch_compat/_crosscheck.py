@@ -168,7 +168,7 @@ def cross_check(
         deviation of few values (8 per channel in layer4 at batch 2, 64 px), which amplifies
         float32 rounding through the depth of the net: torch float32 itself differs from torch
         float64 by ~5e-5 on ResNet-50's logits and ~1e-3 on ResNet-152's, while the port agrees
-        with torch to ~1e-13 in float64 (tests/test_crosscheck.py). So torch also runs in
+        with torch to ~1e-12 in float64 (tests/test_crosscheck.py). So torch also runs in
         float64 in train mode, and a stage passes within `max(train_rtol, NOISE_FACTOR *
         torch's own float32 error)`.
 

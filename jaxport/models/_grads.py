@@ -23,8 +23,8 @@ def on_xla_cpu() -> bool:
     fusion aborts the whole process with a CHECK failure (`triton_tiling_propagation.cc: Check
     failed: subdim_size_accumulator == dim_size`), compiling ResNet-50's training step with the
     VJPs ("784 vs. 56") and, with the VJPs off, `jaxport train`'s ResNet-18 on the digits ("16 vs.
-    8"). With plain convolutions both trained: ResNet-50 at 5,868 img/s in bf16, the digits to
-    0.98 held-out (benchmarks/README.md).
+    8"). With plain convolutions both trained: ResNet-50 at 6,318 img/s in bf16 (`bench_train.py
+    --gpu`, H200), the digits to 0.97-0.98 held-out (benchmarks/README.md, GPU figures).
     """
     return jax.default_backend() == "cpu"
 
