@@ -37,13 +37,21 @@ def _cli(workdir, *extra, devices=2):
     return [sys.executable, "-m", "jaxport.train", "--workdir", str(workdir), *TOY, *extra], env
 
 
-@pytest.mark.slow
-def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final weights of the toy run to step 14, uninterrupted: what a killed or stopped run
+    must reach once resumed. The tests that use it share an xdist group, so it runs once."""
     # 1438 digits / 32 = 44 steps per epoch; stop at step 14 (not at a checkpoint or epoch end).
-    full, killed = tmp_path / "full", tmp_path / "killed"
+    full = tmp_path_factory.mktemp("full")
     cmd, env = _cli(full, "--max-steps", "14")
     subprocess.run(cmd, env=env, check=True, capture_output=True)
+    return load_workdir(str(full))[0]
 
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("uninterrupted")
+def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path, uninterrupted):
+    killed = tmp_path / "killed"
     cmd, env = _cli(killed, "--max-steps", "14")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
@@ -64,20 +72,17 @@ def test_resume_after_sigkill_gives_the_uninterrupted_weights(tmp_path):
     assert not [p.name for p in killed.rglob("*") if "tmp" in p.name]
     assert out.stdout.strip() == f"stopped at step 14 (--max-steps), checkpoints in {killed}"
 
-    a, _ = load_workdir(str(full))
     b, arch = load_workdir(str(killed))
     assert arch == "resnet18"
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+    jax.tree.map(np.testing.assert_array_equal, uninterrupted, b)
 
 
 @pytest.mark.slow
-def test_sigterm_checkpoints_the_last_step_and_resume_is_exact(tmp_path):
+@pytest.mark.xdist_group("uninterrupted")
+def test_sigterm_checkpoints_the_last_step_and_resume_is_exact(tmp_path, uninterrupted):
     """A scheduler's SIGTERM (or Ctrl-C's SIGINT) stops after the step in progress, checkpoints
     it, and exits 128 + signal with one line; --resume ends with the uninterrupted weights."""
-    full, stopped = tmp_path / "full", tmp_path / "stopped"
-    cmd, env = _cli(full, "--max-steps", "14")
-    subprocess.run(cmd, env=env, check=True, capture_output=True)
-
+    stopped = tmp_path / "stopped"
     cmd, env = _cli(stopped, "--max-steps", "14")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -95,9 +100,8 @@ def test_sigterm_checkpoints_the_last_step_and_resume_is_exact(tmp_path):
 
     out = subprocess.run(cmd + ["--resume"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    a, _ = load_workdir(str(full))
     b, _ = load_workdir(str(stopped))
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+    jax.tree.map(np.testing.assert_array_equal, uninterrupted, b)
 
 
 def test_ctrl_c_in_process_raises_interrupted_after_checkpointing(tmp_path):
