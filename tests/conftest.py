@@ -41,6 +41,14 @@ def x64():
         yield
 
 
+def pytest_collection_modifyitems(config, items):
+    # The `slow` tests first (stable order otherwise): pytest-xdist hands tests out in collection
+    # order, and one of several minutes handed out last (the default digits run came late, from
+    # test_train_loop.py) kept one worker busy alone at the end of the run. Every process
+    # sorts the same list the same way, as xdist requires.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_sessionfinish(session):
     # xdist's workers inherit _OWN_CACHE as False (the variable is set by then): only the
     # process that made the directory removes it, after every worker has finished.

@@ -99,6 +99,7 @@ def test_labels_or_mask_not_one_per_image_are_refused_by_the_steps(labels, mask,
             make_eval_step(model, mesh)(state.variables, *shard_batch(mesh, images, labels, mask))
 
 
+@pytest.mark.slow
 def test_resuming_on_another_device_count_says_so(tmp_path):
     """A run resumes on any device count (the checkpoint is replicated). With per-device
     BatchNorm that changes what each device normalises over, which the resume line said

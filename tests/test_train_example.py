@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_finetune_example_exports_a_model_torch_agrees_with(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXPORT_CACHE": str(tmp_path / "cache"), "JAX_NUM_CPU_DEVICES": "2"}
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "finetune_ported_resnet.py"), "--image-size", "16",

@@ -125,6 +125,7 @@ def test_ctrl_c_in_process_raises_interrupted_after_checkpointing(tmp_path):
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.slow
 def test_train_digits_export_and_metrics(tmp_path):
     # One short epoch in-process (8 devices), then export to torchvision with strict=True.
     cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=128, epochs=1, progress=False, sync_bn=True, devices=2)
@@ -198,6 +199,7 @@ def test_the_clis_default_shows_a_progress_bar_on_a_terminal_only(tmp_path, monk
     assert "training resnet18" in shown  # the log lines go there either way
 
 
+@pytest.mark.slow
 def test_export_of_a_workdir_names_what_can_be_read(tmp_path):
     """`jaxport export WORKDIR` with an unreadable latest checkpoint: besides the one-line error,
     tensorstore's leftover reads printed up to hundreds of lines of "Event loop is closed"

@@ -148,6 +148,7 @@ def test_a_workdir_with_an_earlier_runs_files_is_left_alone(tmp_path):
     train(_cfg(work, data))  # nothing to lose: allowed
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_model_or_class_set_before_restoring(tmp_path):
     """Another --arch or class count failed inside orbax ("tree structures do not match"),
     advising to delete the good checkpoint, with asyncio tracebacks; other class names with the
