@@ -1,6 +1,6 @@
 """Port a torchvision ResNet checkpoint to Flax, compare logits with torch, make a prediction.
 
-    python examples/port_resnet.py [CHECKPOINT] [--out resnet.safetensors]
+    python examples/port_resnet.py [CHECKPOINT] [--out resnet.safetensors] [--prefix encoder_q]
 
 With no CHECKPOINT it uses jaxport's embedded default (a ResNet-50 saved like a GPU
 DataParallel training run). No pretrained weights can be downloaded here, so the default's
@@ -36,6 +36,9 @@ def main() -> int:
     parser.add_argument("checkpoint", nargs="?")
     parser.add_argument("--out", default="ported.safetensors")
     parser.add_argument("--force", action="store_true", help="replace an existing --out that is not an earlier port")
+    parser.add_argument("--prefix", default=None,
+                        help="the ResNet is stored inside a bigger model under this key prefix (MoCo's encoder_q); "
+                             "the loading errors name it when they see one")
     args = parser.parse_args()
     path = args.checkpoint or torch_compat.default_checkpoint()
     # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
@@ -49,7 +52,7 @@ def main() -> int:
                      "another file, or pass --force to replace it")
 
     # 1. Load safely (weights-only unpickler; `module.`/`_orig_mod.` stripped) and convert.
-    state_dict = torch_compat.load_state_dict(path)
+    state_dict = torch_compat.load_state_dict(path, prefix=args.prefix)
     arch = torch_compat.detect_arch(state_dict)
     variables = torch_compat.torch_to_flax(state_dict, arch)
     jaxport.save_variables(args.out, variables, arch=arch)

@@ -23,6 +23,17 @@ def test_port_resnet_example(tmp_path):
     assert "same prediction: True" in proc.stdout
 
 
+def test_port_resnet_example_takes_the_prefix_its_errors_name(tmp_path):
+    """A ResNet inside a bigger model (MoCo's `encoder_q.`): the loading error says to select it
+    with --prefix, which the example did not have."""
+    model = torchvision.models.resnet18(num_classes=3)
+    torch.save({"state_dict": {**{f"module.encoder_q.{k}": v for k, v in model.state_dict().items()},
+                               "module.queue": torch.zeros(8, 4)}}, tmp_path / "moco.pth")
+    proc = _run_example("port_resnet.py", tmp_path, "moco.pth", "--prefix", "encoder_q")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resnet18, 3 classes" in proc.stdout and "same prediction: True" in proc.stdout, proc.stdout
+
+
 def test_examples_report_bad_input_in_one_line(tmp_path):
     torch_whole = tmp_path / "whole.pt"
     torch.save(torchvision.models.resnet18(), torch_whole)  # a pickled module: refused, never run
