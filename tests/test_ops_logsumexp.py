@@ -140,6 +140,14 @@ def test_logsumexp_errors_name_the_argument():
         # lax.pmax/psum read an int as an array axis: axis_name=1 reduced over axis 1 silently.
         (lambda: logsumexp(jnp.zeros((3, 1)), axis=0, axis_name=1), r"`axis_name` \(=1\) must be a mesh axis name"),
         (lambda: logsumexp([2**40, 1]), r"`a` holds integers too large"),
+        # With x64 off jax rounds float64 to float32: 1e300 became inf (so did the result), and a
+        # scale factor of 1e-300 became 0 (dropping its entry). Only such changes are refused.
+        (lambda: logsumexp(np.array([1e300, 0.0])), r"`a` has dtype float64.*1 of its 2 values would overflow "
+                                                    r"to inf.*scale `a` into float32's range"),
+        (lambda: logsumexp(x, b=np.full((2, 3), 1e-300)), r"`b` has dtype float64.*6 of its 6 values would "
+                                                         r"overflow to inf or flush to 0"),
+        # jnp.asarray failed on it with torch's RuntimeError ("Can't call numpy() on Tensor that requires grad").
+        (lambda: logsumexp(torch.ones(3, requires_grad=True)), r"`a` is a torch tensor that requires grad.*a.detach\(\)"),
     ]
     for call, message in cases:
         with pytest.raises(ConfigError, match=message):
@@ -198,3 +206,16 @@ def test_gradient_is_softmax_far_from_zero(center):
     g = jax.grad(lambda v: logsumexp(v, axis=1).sum())(jnp.asarray(x))
     want = torch.softmax(torch.from_numpy(x).double(), dim=1).numpy()
     np.testing.assert_allclose(np.asarray(g), want, rtol=2e-5, atol=1e-12)
+
+
+def test_float64_within_float32s_range_and_big_endian_input_equal_torch():
+    # float64 that only rounds is accepted as jax rounds it (the overflow check must not refuse
+    # it); a big-endian array (read from a file) made jnp.asarray raise "Error interpreting argument".
+    assert not jax.config.jax_enable_x64
+    x = np.random.default_rng(3).standard_normal((4, 7)) * 30
+    b = np.random.default_rng(4).random((4, 7)) + 1e-30
+    want = scipy.special.logsumexp(x.astype(np.float32), 1, b=b.astype(np.float32))
+    np.testing.assert_allclose(np.asarray(logsumexp(x, 1, b=b)), want, rtol=1e-6)
+    big = x.astype(">f4")
+    np.testing.assert_allclose(np.asarray(logsumexp(big, 1)), torch.logsumexp(torch.from_numpy(x.astype(np.float32)), 1),
+                               rtol=1e-6)

@@ -128,3 +128,15 @@ def test_explicit_mesh_the_default_of_make_mesh_since_jax_0_9(mesh, split):
     positive = np.random.default_rng(11).random((16, 96)) < 0.1
     hn = jax.jit(hard_negative_mask)(jax.device_put(loss, sharding), jax.device_put(positive, sharding))
     np.testing.assert_array_equal(np.asarray(hn), np.asarray(hard_negative_mask(loss, positive)))
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_logsumexp_eager_under_set_mesh_on_an_explicit_mesh_equals_torch(mesh, split):
+    # Eager (outside jit) under `jax.set_mesh`, an input of 32768 elements (the one-pass path's
+    # threshold on XLA:CPU) raised a TypeError: lax.cond's branches captured its arrays from
+    # outside, and one branch's zeros came out unsharded.
+    explicit = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=mesh.devices.ravel())
+    x = np.random.default_rng(12).standard_normal((8, 4096)).astype(np.float32) * 3
+    with jax.set_mesh(explicit):
+        out = logsumexp(jax.device_put(x, NamedSharding(explicit, SPLITS[split])), 1)
+    np.testing.assert_allclose(np.asarray(out), torch.logsumexp(torch.from_numpy(x), 1).numpy(), rtol=1e-6)

@@ -12,18 +12,29 @@ from .._errors import ConfigError
 METHODS = ("auto", "xla", "host")
 
 
-def to_array(x, name: str, *, exact: bool = False) -> jax.Array:
+def to_array(x, name: str, *, exact: bool = False, overflow: bool = False, flush: bool = False) -> jax.Array:
     """`x` as a jax array of numbers or bools; anything else is one error naming `name`.
 
     With jax's 64-bit mode off, jax silently wraps int64 / uint64 to 32 bits (2**40 becomes 0),
     which makes any result wrong: such an input is refused when the wrap changes a value.
-    `exact`: `x`'s values decide a discrete result (an order), so float64 is refused too when
-    rounding it to float32 changes a value (close values would become ties); elsewhere that
-    rounding is only rounding, as everywhere in jax.
+    float64 is rounded to float32 then, which is only rounding, as everywhere in jax, unless:
+    `exact`: `x`'s values decide a discrete result (an order), so any changed value is refused
+    (close values would become ties); `overflow`: a finite value that becomes +-inf is refused
+    (1e300 would turn a finite logsumexp infinite); `flush`: a nonzero value that becomes 0 is
+    refused (a scale factor of 1e-300 would drop its entry).
+    A numpy array in non-native byte order is converted (jax refuses it); a torch tensor that
+    requires grad is refused with the fix (jax cannot read it before it is detached).
     """
-    # (Python ints that 32 bits cannot hold need no check: jnp.asarray refuses them, below.)
+    if getattr(x, "requires_grad", False) and callable(getattr(x, "detach", None)):
+        # A torch tensor in an autograd graph: jnp.asarray fails on it with torch's RuntimeError.
+        raise ConfigError(f"`{name}` is a torch tensor that requires grad, which jax cannot read; "
+                          f"pass {name}.detach()")
+    if isinstance(x, np.ndarray) and not x.dtype.isnative:
+        x = x.astype(x.dtype.newbyteorder("="))
     if not isinstance(x, jax.Array) and not jax.config.jax_enable_x64 and (exact or hasattr(x, "dtype")):
-        _check_narrowing(x, name, floats=exact)
+        # (Python ints that 32 bits cannot hold need no check: jnp.asarray refuses them, below.)
+        modes = "exact" if exact else "+".join(m for m, on in (("overflow", overflow), ("flush", flush)) if on)
+        _check_narrowing(x, name, floats=modes)
     try:
         return jnp.asarray(x)
     except OverflowError:  # Python ints beyond 64 bits, or beyond 32 bits with x64 off
@@ -38,7 +49,9 @@ def to_array(x, name: str, *, exact: bool = False) -> jax.Array:
 _NARROW = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32, np.dtype(np.float64): np.float32}
 
 
-def _check_narrowing(x, name: str, floats: bool = True) -> None:
+def _check_narrowing(x, name: str, floats: str = "") -> None:
+    """Refuse `x` if jax's 32-bit narrowing changes it; `floats` says which float changes count:
+    "exact" (any), "overflow" (finite to inf), "flush" (nonzero to 0), both joined by "+", or ""."""
     try:
         host = np.asarray(x)
     except Exception:  # noqa: BLE001 - not array-like: jnp.asarray names the problem
@@ -48,16 +61,31 @@ def _check_narrowing(x, name: str, floats: bool = True) -> None:
         return
     with np.errstate(all="ignore"):
         back = host.astype(narrow).astype(host.dtype)
-    same = (back == host) | (np.isnan(host) & np.isnan(back)) if host.dtype.kind == "f" else back == host
-    changed = int(host.size - np.count_nonzero(same))
+    if host.dtype.kind != "f":
+        bad, how, would = back != host, "wrap", "change"
+    elif floats == "exact":
+        bad, how, would = ~((back == host) | (np.isnan(host) & np.isnan(back))), "round", "change"
+    else:
+        bad = np.zeros(host.shape, bool)
+        if "overflow" in floats:
+            bad |= np.isfinite(host) & np.isinf(back)
+        if "flush" in floats:
+            bad |= (host != 0) & (back == 0)
+        how, would = "round", " or ".join(w for m, w in (("overflow", "overflow to inf"), ("flush", "flush to 0"))
+                                          if m in floats)
+    changed = int(np.count_nonzero(bad))
     if changed:
-        how = "round" if host.dtype.kind == "f" else "wrap"
+        if how == "wrap":
+            fix = ""
+        elif would == "change":
+            fix = f", or cast `{name}` to float32 yourself if its rounding is acceptable"
+        else:
+            fix = f", or scale `{name}` into float32's range (about 1.2e-38 to 3.4e38)"
         raise ConfigError(
             f"`{name}` has dtype {host.dtype}, but jax's 64-bit mode is off, so jax would {how} it to "
-            f"{np.dtype(narrow).name}, changing {changed} of its {host.size} values (the result could then "
-            f"differ from torch's on the {host.dtype} input); enable 64-bit mode with "
-            f"jax.config.update('jax_enable_x64', True)"
-            + (f", or cast `{name}` to float32 yourself if its rounding is acceptable" if how == "round" else ""))
+            f"{np.dtype(narrow).name}, where {changed} of its {host.size} values would {would} (the result "
+            f"could then differ from torch's on the {host.dtype} input); enable 64-bit mode with "
+            f"jax.config.update('jax_enable_x64', True){fix}")
 
 
 def _describe(x) -> str:

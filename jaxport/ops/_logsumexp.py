@@ -69,7 +69,9 @@ def logsumexp(
 
     Raises:
       ConfigError: `axis` is out of range or repeats, `a` or `b` is complex or not numbers, or
-        holds 64-bit integers that jax's default 32-bit mode would wrap, `where` is not bool,
+        holds 64-bit integers that jax's default 32-bit mode would wrap, or float64 that it
+        would round to inf (or, in `b`, from nonzero to 0), or is a torch tensor that requires
+        grad, `where` is not bool,
         `b` / `where` do not broadcast to `a`, `keepdims` / `return_sign` are not bools known
         when tracing, or `axis_name` is not a name (an int), or names no axis of the
         ``jax.shard_map`` it is used in (or is used outside one).
@@ -82,7 +84,7 @@ def logsumexp(
       >>> jax.grad(lambda x: logsumexp(x))(jnp.full(3, -jnp.inf, jnp.float32))
       Array([0., 0., 0.], dtype=float32)
     """
-    a = to_array(a, "a")
+    a = to_array(a, "a", overflow=True)
     if jnp.issubdtype(a.dtype, jnp.complexfloating):
         raise ConfigError(f"`a` has complex dtype {a.dtype}; logsumexp here takes real arrays")
     keepdims = check_flag(keepdims, "keepdims")
@@ -95,7 +97,7 @@ def logsumexp(
     a = a.astype(work)
     dims = normalize_axes(axis, a.ndim)
     if b is not None:
-        b = to_array(b, "b")
+        b = to_array(b, "b", overflow=True, flush=True)
         if jnp.issubdtype(b.dtype, jnp.complexfloating):
             # Casting would drop the imaginary part: scipy gives a complex result here.
             raise ConfigError(f"`b` has complex dtype {b.dtype}; logsumexp here takes real scale factors")
@@ -165,7 +167,11 @@ def _one_pass_sum(a: jax.Array, dims: tuple[int, ...]) -> tuple[jax.Array, jax.A
     floor = float(info.tiny) * 16.0 / float(info.eps) * max(n, 1)
     s_fast = jnp.sum(jnp.exp(a), axis=dims, keepdims=True)
     exact = jnp.all((s_fast < jnp.inf) & (s_fast > floor))
-    return lax.cond(exact, lambda: (s_fast, jnp.zeros_like(s_fast)), lambda: _shifted_sum(a, None, dims, None))
+    # The branches take their arrays as operands: captured from outside, outside jit under
+    # `jax.set_mesh` with Explicit axes, the first branch's zeros came out unsharded and cond
+    # refused the branches' differing output types.
+    return lax.cond(exact, lambda s, _: (s, jnp.zeros_like(s)), lambda _, x: _shifted_sum(x, None, dims, None),
+                    s_fast, a)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))

@@ -8,7 +8,7 @@ from jax import lax
 from . import _host
 from ._callback import host_call
 from ._checks import check_flag, check_method, normalize_axis, to_array
-from ._keys import order_key
+from ._keys import key_dtype, order_key
 from ._sharding import gather_axis
 
 
@@ -58,6 +58,7 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False, *, method: str 
     axis = normalize_axis(axis, x.ndim)
     descending = check_flag(descending, "descending")
     method = check_method(method)
+    key_dtype(x.dtype)  # a complex x is refused whatever its shape (a 0-d or empty one returned zeros)
     if x.ndim == 0 or x.shape[axis] == 0:
         return jnp.zeros(x.shape, jnp.int32)
     x, restore = gather_axis(x, axis)
