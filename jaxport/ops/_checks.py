@@ -33,8 +33,8 @@ def to_array(x, name: str, *, exact: bool = False, overflow: bool = False, flush
         x = x.astype(x.dtype.newbyteorder("="))
     if not isinstance(x, jax.Array) and not jax.config.jax_enable_x64 and (exact or hasattr(x, "dtype")):
         # (Python ints that 32 bits cannot hold need no check: jnp.asarray refuses them, below.)
-        modes = "exact" if exact else "+".join(m for m, on in (("overflow", overflow), ("flush", flush)) if on)
-        _check_narrowing(x, name, floats=modes)
+        _check_narrowing(x, name, floats=("exact",) if exact else
+                         tuple(m for m, on in (("overflow", overflow), ("flush", flush)) if on))
     try:
         return jnp.asarray(x)
     except OverflowError:  # Python ints beyond 64 bits, or beyond 32 bits with x64 off
@@ -49,9 +49,18 @@ def to_array(x, name: str, *, exact: bool = False, overflow: bool = False, flush
 _NARROW = {np.dtype(np.int64): np.int32, np.dtype(np.uint64): np.uint32, np.dtype(np.float64): np.float32}
 
 
-def _check_narrowing(x, name: str, floats: str = "") -> None:
-    """Refuse `x` if jax's 32-bit narrowing changes it; `floats` says which float changes count:
-    "exact" (any), "overflow" (finite to inf), "flush" (nonzero to 0), both joined by "+", or ""."""
+# What rounding float64 to float32 may do that a caller refuses: the words for it, and a mask of
+# the values where it happens.
+_FLOAT_CHANGES = {
+    "overflow": ("overflow to inf", lambda host, back: np.isfinite(host) & np.isinf(back)),
+    "flush": ("flush to 0", lambda host, back: (host != 0) & (back == 0)),
+    "exact": ("change", lambda host, back: ~((back == host) | (np.isnan(host) & np.isnan(back)))),
+}
+
+
+def _check_narrowing(x, name: str, floats: tuple[str, ...] = ()) -> None:
+    """Refuse `x` if jax's 32-bit narrowing changes it: any wrapped integer, and the float
+    changes named in `floats` (keys of _FLOAT_CHANGES; none: float64 is only rounded)."""
     try:
         host = np.asarray(x)
     except Exception:  # noqa: BLE001 - not array-like: jnp.asarray names the problem
@@ -63,16 +72,11 @@ def _check_narrowing(x, name: str, floats: str = "") -> None:
         back = host.astype(narrow).astype(host.dtype)
     if host.dtype.kind != "f":
         bad, how, would = back != host, "wrap", "change"
-    elif floats == "exact":
-        bad, how, would = ~((back == host) | (np.isnan(host) & np.isnan(back))), "round", "change"
     else:
         bad = np.zeros(host.shape, bool)
-        if "overflow" in floats:
-            bad |= np.isfinite(host) & np.isinf(back)
-        if "flush" in floats:
-            bad |= (host != 0) & (back == 0)
-        how, would = "round", " or ".join(w for m, w in (("overflow", "overflow to inf"), ("flush", "flush to 0"))
-                                          if m in floats)
+        for kind in floats:
+            bad |= _FLOAT_CHANGES[kind][1](host, back)
+        how, would = "round", " or ".join(_FLOAT_CHANGES[kind][0] for kind in floats)
     changed = int(np.count_nonzero(bad))
     if changed:
         if how == "wrap":
