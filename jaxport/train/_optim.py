@@ -32,12 +32,12 @@ ScalarOrSchedule = float | Schedule
 
 
 class _TorchMomentumState(NamedTuple):
-    count: jax.Array
+    count: jax.Array  # steps that used the buffer (momentum != 0): 0 means torch has none yet
     trace: optax.Updates
 
 
 def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.GradientTransformation:
-    """torch's momentum buffer with dampening: `buf = g` on step 1, then `m buf + (1 - d) g`."""
+    """torch's momentum buffer with dampening: `buf = g` on its first step, then `m buf + (1 - d) g`."""
 
     def init(params):
         return _TorchMomentumState(jnp.zeros([], jnp.int32), jax.tree.map(jnp.zeros_like, params))
@@ -45,16 +45,51 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.
     def update(updates, state, params=None):
         del params
         # momentum == 0 only reaches here as an array (optax.inject_hyperparams): torch then
-        # keeps no buffer and ignores dampening, so the buffer is the gradient itself.
-        plain = (state.count == 0) | (jnp.asarray(momentum) == 0)
+        # uses the gradient itself, ignores dampening, and leaves its buffer as it was (none, or
+        # the last one), which it resumes from once momentum is set again. Counting only the
+        # steps that used the buffer keeps that: a buffer that was never used starts as `g`.
+        active = jnp.asarray(momentum) != 0
+        first = state.count == 0
         trace = jax.tree.map(
-            lambda g, b: jnp.where(plain, g, momentum * b + (1 - dampening) * g).astype(b.dtype),
+            lambda g, b: jnp.where(active, jnp.where(first, g, momentum * b + (1 - dampening) * g), b).astype(b.dtype),
             updates, state.trace,
         )
-        out = jax.tree.map(lambda g, b: (g + momentum * b).astype(g.dtype), updates, trace) if nesterov else trace
-        return out, _TorchMomentumState(optax.safe_int32_increment(state.count), trace)
+        if nesterov:
+            out = jax.tree.map(lambda g, b: (g + momentum * b).astype(g.dtype), updates, trace)
+        else:
+            out = jax.tree.map(lambda g, b: jnp.where(active, b, g).astype(g.dtype), updates, trace)
+        count = jnp.where(active, optax.safe_int32_increment(state.count), state.count)
+        return out, _TorchMomentumState(count, trace)
 
     return optax.GradientTransformation(init, update)
+
+
+def _scale_by_adam(b1: float, b2: float, eps) -> optax.GradientTransformation:
+    """optax.scale_by_adam (same state, so checkpoints are interchangeable) with torch's bias
+    corrections. optax computes `1 - b**t` in the moments' dtype: in float32, b2 = 0.99999
+    rounds to 0.99998999, so `1 - b2**t` came out 0.14% large and the updates 0.07% off, for
+    ~1 / (1 - b2) steps (torch computes it in Python floats). `-expm1(t * log(b))` with log(b)
+    taken in Python floats is accurate to float32 rounding for every t."""
+    base = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    log_b1, log_b2 = (math.log(b) if b > 0 else -math.inf for b in (b1, b2))  # b = 0: 1 - 0**t = 1
+
+    def update(updates, state, params=None):
+        del params
+        mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
+        nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
+        count = optax.safe_int32_increment(state.count)
+
+        def corrected(moment, log_b):  # in float32 at least (bfloat16 cannot even count to 257), as torch's floats
+            def one(m):
+                wide = jnp.promote_types(m.dtype, jnp.float32)
+                return (m / -jnp.expm1(count.astype(wide) * jnp.asarray(log_b, wide))).astype(m.dtype)
+            return jax.tree.map(one, moment)
+
+        out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), corrected(mu, log_b1), corrected(nu, log_b2))
+        nu = jax.tree.map(lambda n, old: n.astype(old.dtype), nu, state.nu)
+        return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
+
+    return optax.GradientTransformation(base.init, update)
 
 
 def _is_array(value) -> bool:
@@ -193,7 +228,7 @@ def adamw(
         raise ConfigError(f"`betas` (={betas}) must both be in [0, 1)")
     return optax.chain(
         *([optax.scale(-1.0)] if maximize else []),  # torch negates the gradient first
-        optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+        _scale_by_adam(b1, b2, eps),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(learning_rate),
     )
