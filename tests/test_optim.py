@@ -199,6 +199,10 @@ def test_adamw_maximize_matches_torch():
     (lambda: optim.multistep_lr(0.1, [2], gamma=None), "`gamma` (=None) must be a finite number"),
     (lambda: optim.cosine_annealing_lr(0.1, 5, eta_min=None), "`eta_min` (=None) must be a finite number"),
     (lambda: optim.linear_warmup(0.1, 5, start_factor=None), "`start_factor` (=None) must be a finite number"),
+    # A schedule where optax takes none: float() of a function (sgd), or a failure at the first update (adamw).
+    (lambda: optim.sgd(0.1, momentum=lambda step: 0.9), "`momentum` (=<function"),
+    (lambda: optim.adamw(0.1, eps=lambda step: 1e-8), "`eps` (=<function"),
+    (lambda: optim.sgd(0.1, weight_decay=lambda step: 1e-4), "only `learning_rate` takes a schedule"),
 ])
 def test_bad_arguments_are_named(call, message):
     with pytest.raises(ConfigError) as e:

@@ -115,8 +115,13 @@ def _hyperparameter(name: str, value, *, minimum: float | None = None, hint: str
 
 def _check_non_negative(**values) -> None:
     """torch.optim refuses negative values; NaN and inf are refused too (torch takes them and
-    trains to NaN). Schedules (callables) are left to their own checks."""
+    trains to NaN). A learning-rate schedule (a callable) is left to its own checks; as in torch,
+    nothing else takes one (a callable momentum or eps failed later, naming no argument; a
+    weight-decay schedule worked with some optax versions only)."""
     for name, value in values.items():
+        if callable(value) and name != "learning_rate":
+            raise ConfigError(f"`{name}` (={value!r}) must be a number; only `learning_rate` takes a schedule "
+                              "(step -> lr); to change another while training, use optax.inject_hyperparams")
         if not callable(value):
             _hyperparameter(name, value, minimum=0, hint=" or a schedule (step -> lr)" if name == "learning_rate" else "")
 
