@@ -182,6 +182,7 @@ def test_adamw_maximize_matches_torch():
     (lambda: optim.sgd("0.1"), "`learning_rate` (='0.1') must be a finite number >= 0 or a schedule"),
     (lambda: optim.adamw(betas=0.9), "`betas` (=0.9) must be two numbers"),
     (lambda: optim.adamw(betas=(0.9,)), "`betas` (=(0.9,)) must be two numbers"),
+    (lambda: optim.adamw(betas=("0.9", "0.999")), "`betas` (=('0.9', '0.999')) must be two numbers"),  # was accepted
     (lambda: optim.multistep_lr(0.1, 5), "`milestones` (=5) must be a list of steps"),
     # torch compares the step with each milestone: 2.5 would silently never fire
     (lambda: optim.multistep_lr(0.1, [2.5, 4]), "`milestones` (=2.5) must be a whole number"),

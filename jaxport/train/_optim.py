@@ -226,6 +226,8 @@ def adamw(
         # step; optax.amsgrad takes the maximum of the corrected ones: the updates differ.
         raise ConfigError("`amsgrad` (=True) is not supported (torch's AMSGrad is not reproduced); use amsgrad=False")
     try:
+        if any(isinstance(b, (str, bytes)) for b in betas):  # float("0.9") works; torch refuses strings
+            raise TypeError
         b1, b2 = (float(b) for b in betas)
     except (TypeError, ValueError):
         raise ConfigError(f"`betas` (={betas!r}) must be two numbers (beta1, beta2), e.g. (0.9, 0.999)") from None
