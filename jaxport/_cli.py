@@ -13,7 +13,6 @@ import os
 import shlex
 import signal
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -531,26 +530,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     warnings.showwarning = _one_line_warnings
     sys.unraisablehook = _drop_closed_loop_callbacks()
     stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
-    # SIGTERM as Ctrl-C: one line and status 143 instead of a silent death (rc -15) whenever it
-    # arrives outside the blocks that handle it themselves (writes, `train`'s loop).
-    previous = _sigterm_as_interrupt()
+    from ._io import sigterm_as_interrupt
+
     try:
-        return _run(args)
+        # SIGTERM as Ctrl-C: one line and status 143 instead of a silent death (rc -15) whenever
+        # it arrives outside the blocks that handle it themselves (writes, `train`'s loop).
+        with sigterm_as_interrupt():
+            return _run(args)
     finally:
         sys.stdout = stdout
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-
-
-def _sigterm_as_interrupt():
-    """Installs `raise_on_sigterm` where SIGTERM has its default action; returns what to restore
-    (None: nothing was changed, e.g. `main` called from a thread or SIGTERM ignored by the caller)."""
-    from ._io import raise_on_sigterm
-
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        return None
-    return signal.signal(signal.SIGTERM, raise_on_sigterm)
 
 
 def _run(args: argparse.Namespace) -> int:

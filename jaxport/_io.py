@@ -218,12 +218,7 @@ class Terminated(KeyboardInterrupt):
 
 
 def raise_on_sigterm(signum, frame):
-    """A SIGTERM handler that stops the process as Ctrl-C does: it raises `Terminated`.
-
-    The CLI installs it for the whole command, so `kill` or a scheduler's SIGTERM during set-up
-    (scanning --data, building a model) ends with one line and status 143, where SIGTERM's
-    default action ended the process silently. `jaxport train`'s loop replaces it while it runs
-    (it checkpoints first)."""
+    """A SIGTERM handler that stops the process as Ctrl-C does: it raises `Terminated`."""
     raise Terminated("SIGTERM")
 
 
@@ -240,32 +235,44 @@ def _jax_takes_sigterm() -> bool:
 
 
 @contextlib.contextmanager
-def _sigterm_raises(path: Path) -> Iterator[None]:
-    """Within the block, SIGTERM raises `Terminated`, so `finally` clauses run before the process
-    stops: SIGTERM's default action ends it at once, which left the full-size hidden temporary
-    file behind.
-
-    Only the default or `raise_on_sigterm` is replaced (by a handler that also names the file):
-    a handler someone installed deliberately (`jaxport train` checkpoints on SIGTERM) or SIG_IGN
-    is kept, and an enclosing block has already installed one. Handlers can only be set from the
-    main thread; elsewhere SIGTERM keeps its effect. Python runs the handler between bytecodes,
-    so a write inside one long C call (safetensors, torch.save) finishes before it stops.
-    """
+def _sigterm_handler(handler, replaces: tuple) -> Iterator[None]:
+    """Within the block SIGTERM runs `handler`, if it now runs one of `replaces`; on exit the
+    previous one is back, unless the block deliberately set its own. Anything else is left
+    alone: a handler someone installed on purpose (`jaxport train` checkpoints on SIGTERM),
+    SIG_IGN, jax's preemption service (in C++), and any thread but the main one (Python sets
+    handlers only there)."""
     previous = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is not threading.main_thread() or _jax_takes_sigterm() or \
-            previous not in (signal.SIG_DFL, raise_on_sigterm):
+            previous not in replaces:
         yield
         return
-
-    def handler(signum, frame):
-        raise Terminated(f"SIGTERM while writing '{path}'")
-
     signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:
-        if signal.getsignal(signal.SIGTERM) is handler:  # unless the block deliberately set its own
+        if signal.getsignal(signal.SIGTERM) is handler:
             signal.signal(signal.SIGTERM, previous)
+
+
+def sigterm_as_interrupt() -> contextlib.AbstractContextManager[None]:
+    """Within the block, SIGTERM (where it has its default action) raises `Terminated`, as
+    Ctrl-C raises KeyboardInterrupt. The CLI wraps every command in it, so `kill` or a
+    scheduler's SIGTERM during set-up (scanning --data, building a model) ends with one line and
+    status 143, where SIGTERM's default action ended the process silently. `jaxport train`'s
+    loop and `atomic_path`'s writes replace it while they run."""
+    return _sigterm_handler(raise_on_sigterm, (signal.SIG_DFL,))
+
+
+def _sigterm_raises(path: Path) -> contextlib.AbstractContextManager[None]:
+    """Within the block, SIGTERM raises `Terminated` naming `path`, so `finally` clauses run
+    before the process stops: SIGTERM's default action ends it at once, which left the
+    full-size hidden temporary file behind. Replaces only the default or `raise_on_sigterm`
+    (an enclosing block has already installed its own). Python runs the handler between
+    bytecodes, so a write inside one long C call (safetensors, torch.save) finishes first."""
+    def handler(signum, frame):
+        raise Terminated(f"SIGTERM while writing '{path}'")
+
+    return _sigterm_handler(handler, (signal.SIG_DFL, raise_on_sigterm))
 
 
 def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arch: str | None = None,
