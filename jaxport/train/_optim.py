@@ -31,6 +31,107 @@ Schedule = Callable[[jax.Array], jax.Array]
 ScalarOrSchedule = float | Schedule
 
 
+# Low-precision (bfloat16, float16) parameters. torch computes each op on such a tensor in float32
+# ("opmath") and rounds its result to the tensor's dtype once; a Python number it multiplies by
+# (`mul_(momentum)`, `lerp_`'s weight, `addcdiv_`'s value) enters as a float32, but `add(t,
+# alpha=a)` first rounds `a` to the tensor's dtype. jnp rounds a Python number to the array's
+# dtype in every product instead (momentum 0.9 -> 0.8984 in bfloat16, beta2 0.999 -> 1.0), so a
+# constant gradient's momentum buffer settled ~2% low. The helpers below do torch's arithmetic op
+# for op. (torch's CPU loop computes the last `size % 32` elements of a tensor one at a time,
+# rounding `alpha * t` before the add; these follow its vectorised body, used for all others.)
+
+def _low_precision(x) -> bool:
+    """A floating dtype narrower than float32 (bfloat16, float16), which torch computes in float32."""
+    return jnp.issubdtype(x.dtype, jnp.floating) and jnp.finfo(x.dtype).bits < 32
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.float32)
+
+
+def _add(x: jax.Array, t: jax.Array, alpha, dtype) -> jax.Array:
+    """torch's `x.add(t, alpha=alpha)` into `dtype`: `alpha` rounded to `dtype` first, as torch does."""
+    return (_f32(x) + _f32(alpha).astype(dtype).astype(jnp.float32) * _f32(t)).astype(dtype)
+
+
+def _mul(x: jax.Array, number) -> jax.Array:
+    """torch's `x.mul(number)`: the number in float32, one rounding."""
+    return (_f32(x) * _f32(number)).astype(x.dtype)
+
+
+def _buffer_step(buf: jax.Array, g: jax.Array, momentum, dampening) -> jax.Array:
+    """torch's `buf.mul_(momentum).add_(g, alpha=1 - dampening)`, in the buffer's dtype."""
+    if _low_precision(buf):
+        return _add(_mul(buf, momentum), g, 1 - dampening, buf.dtype)
+    return momentum * buf + (1 - dampening) * g
+
+
+def _trace(momentum: float, nesterov: bool) -> optax.GradientTransformation:
+    """optax.trace (same state, so checkpoints are interchangeable) with torch's rounding for
+    low-precision leaves. Its buffer starts at zeros, so the first is `0 * m + g = g`, as torch's."""
+    base = optax.trace(decay=momentum, nesterov=nesterov)
+
+    def update(updates, state, params=None):
+        out, new = base.update(updates, state, params)
+        trace = jax.tree.map(lambda t, g, b: _buffer_step(b, g, momentum, 0.0) if _low_precision(b) else t,
+                             new.trace, updates, state.trace)
+        if nesterov:  # torch: `g.add(buf, alpha=momentum)`
+            out = jax.tree.map(lambda o, g, b: _add(g, b, momentum, g.dtype) if _low_precision(g) else o,
+                               out, updates, trace)
+        else:
+            out = jax.tree.map(lambda o, b: b if _low_precision(b) else o, out, trace)
+        return out, optax.TraceState(trace=trace)
+
+    return optax.GradientTransformation(base.init, update)
+
+
+def _add_decayed_weights(weight_decay, *, decoupled: bool) -> optax.GradientTransformation:
+    """optax.add_decayed_weights (same state). Low-precision leaves: SGD's `g.add(p, alpha=wd)`
+    rounded as torch; AdamW's decoupled decay (`decoupled`) is left to `_scale_by_learning_rate`,
+    which applies it to the parameter as torch does, so their updates pass unchanged."""
+    base = optax.add_decayed_weights(weight_decay)
+
+    def update(updates, state, params=None):
+        out, state = base.update(updates, state, params)
+        if params is None:  # weight decay 0: optax needs no parameters
+            return out, state
+        return jax.tree.map(lambda o, g, p: (g if decoupled else _add(g, p, weight_decay, g.dtype))
+                            if _low_precision(p) else o, out, updates, params), state
+
+    return optax.GradientTransformation(base.init, update)
+
+
+def _scale_by_learning_rate(learning_rate: ScalarOrSchedule, decoupled_weight_decay=None) -> optax.GradientTransformation:
+    """optax.scale_by_learning_rate (same state). For a low-precision parameter it returns the
+    update that `optax.apply_updates` (`p + u`, rounded) turns into torch's once-rounded
+    `p.add_(g, alpha=-lr)` (SGD), or `p.mul_(1 - lr * wd)` then `p += -lr * g` with `g` the
+    float32 Adam step (AdamW, `decoupled_weight_decay=wd`). Rounding `-lr * g` to the parameter's
+    dtype first, then `p + u`, rounded twice, ~1 ulp off torch on one element in 200 per step."""
+    base = optax.scale_by_learning_rate(learning_rate)
+
+    def update(updates, state, params=None):
+        out, new_state = base.update(updates, state, params)
+        if params is None or not any(_low_precision(p) for p in jax.tree.leaves(params)):
+            return out, new_state
+        neg_lr = base.update(jnp.ones([], jnp.float32), state)[0]  # -lr at this step, in float32 as torch's
+
+        def one(o, g, p):
+            if not _low_precision(p):
+                return o
+            if decoupled_weight_decay is None:
+                new = _add(p, g, neg_lr, p.dtype)
+            else:
+                new = (_f32(_mul(p, 1 + neg_lr * decoupled_weight_decay)) + neg_lr * _f32(g)).astype(p.dtype)
+            # `new - p` is exact in float32, and in p's dtype whenever new is within a factor 2 of
+            # p (Sterbenz), so `p + u` rounds to `new` exactly; only a parameter that moves by
+            # more than its own size (e.g. across 0) can land an ulp away.
+            return (_f32(new) - _f32(p)).astype(p.dtype)
+
+        return jax.tree.map(one, out, updates, params), new_state
+
+    return optax.GradientTransformation(base.init, update)
+
+
 class _TorchMomentumState(NamedTuple):
     count: jax.Array  # steps that used the buffer (momentum != 0): 0 means torch has none yet
     trace: optax.Updates
@@ -51,11 +152,12 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.
         active = jnp.asarray(momentum) != 0
         first = state.count == 0
         trace = jax.tree.map(
-            lambda g, b: jnp.where(active, jnp.where(first, g, momentum * b + (1 - dampening) * g), b).astype(b.dtype),
+            lambda g, b: jnp.where(active, jnp.where(first, g, _buffer_step(b, g, momentum, dampening)), b).astype(b.dtype),
             updates, state.trace,
         )
         if nesterov:
-            out = jax.tree.map(lambda g, b: (g + momentum * b).astype(g.dtype), updates, trace)
+            out = jax.tree.map(lambda g, b: _add(g, b, momentum, g.dtype) if _low_precision(g)
+                               else (g + momentum * b).astype(g.dtype), updates, trace)
         else:
             out = jax.tree.map(lambda g, b: jnp.where(active, b, g).astype(g.dtype), updates, trace)
         count = jnp.where(active, optax.safe_int32_increment(state.count), state.count)
@@ -87,6 +189,23 @@ def _scale_by_adam(b1: float, b2: float, eps) -> optax.GradientTransformation:
 
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), corrected(mu, log_b1), corrected(nu, log_b2))
         nu = jax.tree.map(lambda n, old: n.astype(old.dtype), nu, state.nu)
+        if any(_low_precision(m) for m in jax.tree.leaves(state.mu)):
+            bc1, bc2 = (-jnp.expm1(_f32(count) * log_b) for log_b in (log_b1, log_b2))
+
+            def low(o, m, v, g, old_m, old_v):  # torch's ops on low-precision moments, each rounded once
+                if not _low_precision(old_m):
+                    return o, m, v
+                w = float(np.float32(1 - b1))  # `exp_avg.lerp_(g, 1 - b1)`, torch's two-sided lerp
+                d = _f32(g) - _f32(old_m)
+                m = (_f32(old_m) + w * d if w < 0.5 else _f32(g) - d * (1 - np.float32(w))).astype(old_m.dtype)
+                v = (_f32(_mul(old_v, b2)) + np.float32(1 - b2) * _f32(g) * _f32(g)).astype(old_v.dtype)  # mul_, addcmul_
+                denom = (_f32(jnp.sqrt(_f32(v)).astype(v.dtype)) / jnp.sqrt(bc2)).astype(v.dtype)  # (sqrt(v) / sqrt(bc2)).add_(eps)
+                denom = (_f32(denom) + _f32(eps)).astype(v.dtype)
+                return _f32(m) / _f32(denom) / bc1, m, v  # float32: `_scale_by_learning_rate` adds it to p
+
+            triples = jax.tree.map(low, out, mu, nu, updates, state.mu, state.nu)
+            is_triple = lambda x: isinstance(x, tuple)  # noqa: E731
+            out, mu, nu = (jax.tree.map(lambda t, i=i: t[i], triples, is_leaf=is_triple) for i in range(3))
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
     return optax.GradientTransformation(base.init, update)
@@ -164,7 +283,9 @@ def sgd(
     `optax.multi_transform({"train": sgd(...), "frozen": optax.set_to_zero()}, labels)`, which
     equals torch; torch's param groups (e.g. no decay on biases) are `multi_transform` too.
     Low-precision (bfloat16, float16) parameters are updated in their dtype, momentum buffer
-    included, as torch does; the two round at different points, so they agree to a few ulps.
+    included, as torch does: each of torch's ops computed in float32 and rounded once, so the
+    two agree bit for bit on almost every element (torch's CPU loop rounds twice on a tensor's
+    last `size % 32` elements; see tests/test_optim_probe.py for the measured differences).
 
     Raises:
       ConfigError: for the combinations torch refuses (nesterov without momentum or with
@@ -185,16 +306,16 @@ def sgd(
     if any(_is_array(v) for v in (momentum, dampening, weight_decay)):
         # Arrays (optax.inject_hyperparams): one chain whatever their values, so the state
         # made at init (concrete values) fits the update (traced ones).
-        parts += [optax.add_decayed_weights(weight_decay), _torch_momentum(momentum, dampening, nesterov)]
+        parts += [_add_decayed_weights(weight_decay, decoupled=False), _torch_momentum(momentum, dampening, nesterov)]
     else:
         if weight_decay:
-            parts.append(optax.add_decayed_weights(weight_decay))
+            parts.append(_add_decayed_weights(weight_decay, decoupled=False))
         if momentum:
             if dampening == 0:
-                parts.append(optax.trace(decay=momentum, nesterov=nesterov))
+                parts.append(_trace(momentum, nesterov))
             else:
                 parts.append(_torch_momentum(momentum, dampening, nesterov))
-    parts.append(optax.scale_by_learning_rate(learning_rate))
+    parts.append(_scale_by_learning_rate(learning_rate))
     return optax.chain(*parts)
 
 
@@ -236,8 +357,8 @@ def adamw(
     return optax.chain(
         *([optax.scale(-1.0)] if maximize else []),  # torch negates the gradient first
         _scale_by_adam(b1, b2, eps),
-        optax.add_decayed_weights(weight_decay),
-        optax.scale_by_learning_rate(learning_rate),
+        _add_decayed_weights(weight_decay, decoupled=True),
+        _scale_by_learning_rate(learning_rate, decoupled_weight_decay=weight_decay),
     )
 
 
