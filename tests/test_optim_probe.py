@@ -484,3 +484,84 @@ def test_low_precision_random_gradients_follow_torch_within_an_ulp_or_so(tdtype,
         differ = ours != want
         assert differ.mean() <= 0.1, (name, differ.sum())
         np.testing.assert_allclose(ours, want, rtol=4 * ulp, atol=4 * ulp * np.abs(want).max(), err_msg=name)
+
+
+@pytest.mark.parametrize("make", [lambda: optim.sgd(0.1, momentum=0.9), lambda: optim.adamw(0.01)])
+def test_integer_parameters_and_float0_gradients_are_refused_naming_the_leaf(make):
+    """Regression: an integer leaf was updated and truncated silently (a step counter kept in the
+    parameters, say); torch refuses integer tensors as parameters. A float0 gradient (jax.grad
+    with allow_int=True) failed inside optax with an error naming no leaf."""
+    with pytest.raises(RuntimeError, match="floating point"):
+        torch.optim.SGD([torch.zeros(2, dtype=torch.int32, requires_grad=True)], lr=0.1)
+    params = {"w": jnp.ones(3), "count": jnp.zeros([], jnp.int32)}
+    with pytest.raises(ConfigError, match=r"parameter \['count'\] has dtype int32: .*optax.set_to_zero"):
+        make().init(params)
+    grads = jax.grad(lambda p: jnp.sum(p["w"] ** 2), allow_int=True)(params)
+    state = make().init({"w": params["w"]})
+    with pytest.raises(ConfigError, match=r"gradient \['count'\] has dtype float0"):
+        make().update(grads, state, params)
+    tx = optax.multi_transform({"train": make(), "fixed": optax.set_to_zero()}, {"w": "train", "count": "fixed"})
+    u, _ = tx.update({"w": grads["w"], "count": jnp.zeros([], jnp.int32)}, tx.init(params), params)  # the fix the errors name
+    assert optax.apply_updates(params, u)["count"] == 0
+
+
+@pytest.mark.parametrize("make_torch, make_ours", [
+    (lambda o: L.StepLR(o, 2**31, 0.5), lambda: optim.step_lr(0.1, 2**31, 0.5)),
+    # 2**31 steps per epoch: torch's per-epoch scheduler is not stepped within these 10 steps
+    (lambda o: L.MultiStepLR(o, [], 0.5), lambda: optim.per_epoch(optim.step_lr(0.1, 1, 0.5), 2**31)),
+    (lambda o: L.MultiStepLR(o, [4, 2**31, 2**40], 0.5), lambda: optim.multistep_lr(0.1, [4, 2**31, 2**40], 0.5)),
+])
+def test_steps_past_int32_work_in_the_jitted_update(make_torch, make_ours):
+    """Regression: a step size, steps per epoch or milestone >= 2**31 failed at the first jitted
+    update with an int32 OverflowError deep inside jax. optax's int32 count never reaches them:
+    the lr is torch's for every count it can take."""
+    want = torch_lrs(make_torch, 10)
+    sched = make_ours()
+    got = np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(10, dtype=jnp.int32)))
+    np.testing.assert_allclose(got, want, rtol=2e-7)
+    tx = optim.sgd(sched)
+    p = {"w": jnp.ones(2)}
+    u, _ = jax.jit(tx.update)(p, tx.init(p), p)
+    np.testing.assert_allclose(u["w"], -want[0], rtol=2e-7)
+
+
+def test_cosine_t_max_past_its_limit_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"`t_max` \(=2147483648\) must be at most 10,000,000"):
+        optim.cosine_annealing_lr(0.1, 2**31)
+
+
+@pytest.mark.parametrize("make_torch, make_ours", [
+    (lambda o: L.StepLR(o, 2, 0.5), lambda: optim.step_lr(0.1, 2, 0.5)),
+    (lambda o: L.MultiStepLR(o, [2, 5], 0.5), lambda: optim.multistep_lr(0.1, [2, 5], 0.5)),
+    (lambda o: L.CosineAnnealingLR(o, 7), lambda: optim.cosine_annealing_lr(0.1, 7)),
+    (lambda o: L.LinearLR(o, 0.25, 1.0, 4), lambda: optim.linear_warmup(0.1, 4, 0.25)),
+])
+def test_schedules_take_a_whole_float_step_and_refuse_a_fractional_one(make_torch, make_ours):
+    """Regression: `sched(3.0)` failed with "Indexer must have integer type". torch's scheduler
+    counts its steps in ints; a whole float step is that int, a fractional one never a step."""
+    want = torch_lrs(make_torch, 12)
+    sched = make_ours()
+    with jax.enable_x64(True):
+        got = [float(sched(float(i))) for i in range(12)]
+        traced = np.asarray(jax.jit(jax.vmap(sched))(jnp.arange(12, dtype=jnp.float64)))
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+    np.testing.assert_allclose(traced, want, rtol=1e-15, atol=0)
+    with pytest.raises(ConfigError, match=r"step `count` \(=2.5\) must be a whole number"):
+        sched(2.5)
+
+
+@pytest.mark.parametrize("make_torch, make_ours", [
+    (lambda o: L.StepLR(o, 1, 1e10), lambda: optim.step_lr(1.0, 1, 1e10)),
+    (lambda o: L.StepLR(o, 2, -1e100), lambda: optim.step_lr(1.0, 2, -1e100)),
+    (lambda o: L.StepLR(o, 1, 2.0), lambda: optim.step_lr(1.0, 1, 2.0)),
+    (lambda o: L.MultiStepLR(o, list(range(1, 40)), 1e10), lambda: optim.multistep_lr(1.0, list(range(1, 40)), 1e10)),
+])
+def test_growing_schedules_overflow_to_inf_as_torch(make_torch, make_ours):
+    """Regression: StepLR with gamma > 1 held its last finite value where torch's lr overflows to
+    inf (and alternates +-inf with a negative gamma)."""
+    n = 1100
+    want = torch_lrs(make_torch, n, lr=1.0)
+    assert np.isinf(want[-1])
+    got = _ours(make_ours(), n)
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
+    np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)

@@ -250,6 +250,32 @@ def _concrete(value) -> float | None:
     return None if isinstance(value, jax.core.Tracer) else float(value)
 
 
+def _floating_only(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`tx` refusing non-floating parameters at `init` and float0 gradients at `update`: optax
+    would update an integer leaf and truncate it silently (torch refuses integer tensors as
+    parameters), and fails on a float0 gradient (jax.grad(..., allow_int=True) of one) with its
+    own obscure errors. Both are refused, naming the leaf; such leaves belong outside the
+    optimizer."""
+    fix = ("keep integer leaves out of the optimizer, e.g. optax.multi_transform({'train': sgd(...), "
+           "'fixed': optax.set_to_zero()}, labels) with label 'fixed' for them")
+
+    def init(params):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: only "
+                                  f"floating-point parameters can be optimized (torch.optim refuses others too); {fix}")
+        return tx.init(params)
+
+    def update(updates, state, params=None, **extra_args):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(updates):
+            if jnp.result_type(leaf) == jax.dtypes.float0:
+                raise ConfigError(f"gradient {jax.tree_util.keystr(path)} has dtype float0 (the gradient of an integer "
+                                  f"leaf, from jax.grad(..., allow_int=True)), which no optimizer step can apply; {fix}")
+        return tx.update(updates, state, params, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
 def sgd(
     learning_rate: ScalarOrSchedule,
     momentum: float = 0.0,
@@ -289,7 +315,8 @@ def sgd(
 
     Raises:
       ConfigError: for the combinations torch refuses (nesterov without momentum or with
-        dampening, negative values).
+        dampening, negative values); at `init`, a non-floating (e.g. integer) parameter; at
+        `update`, a float0 gradient (both name the leaf: keep such leaves out of the optimizer).
 
     Example:
       >>> tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
@@ -316,7 +343,7 @@ def sgd(
             else:
                 parts.append(_torch_momentum(momentum, dampening, nesterov))
     parts.append(_scale_by_learning_rate(learning_rate))
-    return optax.chain(*parts)
+    return _floating_only(optax.chain(*parts))
 
 
 def adamw(
@@ -339,7 +366,8 @@ def adamw(
 
     Raises:
       ConfigError: `amsgrad=True` (not reproduced), out-of-range betas, or what torch refuses
-        (a negative learning rate, eps or weight decay).
+        (a negative learning rate, eps or weight decay); integer parameters and float0
+        gradients, as for `sgd`.
     """
     _check_non_negative(learning_rate=learning_rate, eps=eps, weight_decay=weight_decay)
     if amsgrad:
@@ -354,12 +382,12 @@ def adamw(
         raise ConfigError(f"`betas` (={betas!r}) must be two numbers (beta1, beta2), e.g. (0.9, 0.999)") from None
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ConfigError(f"`betas` (={betas}) must both be in [0, 1)")
-    return optax.chain(
+    return _floating_only(optax.chain(
         *([optax.scale(-1.0)] if maximize else []),  # torch negates the gradient first
         _scale_by_adam(b1, b2, eps),
         _add_decayed_weights(weight_decay, decoupled=True),
         _scale_by_learning_rate(learning_rate, decoupled_weight_decay=weight_decay),
-    )
+    ))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,6 +404,30 @@ def adamw(
 
 _COSINE_EXACT = 10_000
 _MAX_DECAYS = 100_000
+_COSINE_MAX = 10_000_000  # 80 MB of table and ~4 s to build it: past that, refused
+
+
+def _step_count(count) -> jax.Array:
+    """`count` as an integer array. A float step (e.g. `sched(3.0)`) failed with "Indexer must
+    have integer type": an integral one is taken; a concrete fractional one is refused (torch's
+    recursive schedulers only ever reach whole steps); a traced float is floored."""
+    if not isinstance(count, jax.core.Tracer) and np.issubdtype(np.result_type(count), np.floating):
+        if not np.all(np.mod(count, 1) == 0):
+            raise ConfigError(f"the schedule's step `count` (={count!r}) must be a whole number (the number of "
+                              "scheduler.step() calls); use an int")
+    count = jnp.asarray(count)
+    if jnp.issubdtype(count.dtype, jnp.floating):
+        count = jnp.floor(count).astype(jnp.result_type(int))
+    return count
+
+
+def _floor_div(count: jax.Array, divisor: int) -> jax.Array:
+    """`count // divisor` also for a divisor past the count's integer range (int32 without x64),
+    where jax failed at the first update with an OverflowError: the quotient of any such count
+    is then 0 (or -1 below 0)."""
+    if divisor > jnp.iinfo(count.dtype).max:
+        return jnp.where(count < 0, -1, 0).astype(count.dtype)
+    return count // divisor
 
 
 def _lookup(values: Sequence[float], index: Callable[[jax.Array], jax.Array],
@@ -385,7 +437,7 @@ def _lookup(values: Sequence[float], index: Callable[[jax.Array], jax.Array],
     table = np.asarray(values, np.float64)
 
     def schedule(count):
-        count = jnp.asarray(count)
+        count = _step_count(count)
         i = index(count)
         value = jnp.asarray(table, dtype=jnp.result_type(float))[jnp.clip(i, 0, len(table) - 1)]
         if beyond is None:
@@ -413,14 +465,21 @@ def step_lr(base_lr: float, step_size: int, gamma: float = 0.1) -> Schedule:
     lrs = [base_lr]
     while len(lrs) <= _MAX_DECAYS:
         lr = lrs[-1] * gamma
-        if lr == lrs[-1] or not math.isfinite(lr):
+        if lr == lrs[-1] or math.isinf(lrs[-1]):
             break
         lrs.append(lr)
-    # gamma == 1 or 0 converge at once; gamma > 1 overflows: past the table the last value holds.
+    decays = lambda count: _floor_div(count, step_size)  # noqa: E731
+    # gamma == 1 or 0 converge at once: past the table the last value holds. |gamma| > 1
+    # overflows to inf, as torch's lr does (it held the last finite value); a negative gamma
+    # then alternates inf and -inf, as torch's.
+    if math.isinf(lrs[-1]):
+        lrs.append(lrs[-1] * gamma)
+        return _lookup(lrs, decays, lambda count, last: jnp.where(
+            (decays(count) - len(lrs)) % 2 == 0, lrs[-2], lrs[-1]).astype(last.dtype))
     if len(lrs) <= _MAX_DECAYS:
-        return _lookup(lrs, lambda count: count // step_size)
-    return _lookup(lrs, lambda count: count // step_size,
-                   lambda count, last: last * jnp.asarray(gamma, last.dtype) ** (count // step_size - _MAX_DECAYS))
+        return _lookup(lrs, decays)
+    return _lookup(lrs, decays,
+                   lambda count, last: last * jnp.asarray(gamma, last.dtype) ** (decays(count) - _MAX_DECAYS))
 
 
 def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) -> Schedule:
@@ -445,9 +504,9 @@ def multistep_lr(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) 
     if not at:
         return _lookup(lrs, lambda count: jnp.zeros_like(count))
     edges = np.asarray(at, np.int64)
-    # int32 without x64: a milestone past 2**31 steps is never reached by optax's int32 count
-    edges = np.minimum(edges, np.iinfo(np.int32).max)
-    return _lookup(lrs, lambda count: jnp.searchsorted(jnp.asarray(edges, count.dtype), count, side="right"))
+    # a milestone past the count's range (2**31 steps in int32 without x64) is never reached
+    return _lookup(lrs, lambda count: jnp.searchsorted(
+        jnp.asarray(np.minimum(edges, jnp.iinfo(count.dtype).max), count.dtype), count, side="right"))
 
 
 def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Schedule:
@@ -461,6 +520,10 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     """
     base_lr = _check_base_lr(base_lr)
     t_max = whole("t_max", t_max, 1)
+    if t_max > _COSINE_MAX:
+        raise ConfigError(f"`t_max` (={t_max}) must be at most {_COSINE_MAX:,}: torch's recursion is reproduced "
+                          "with a table of one value per step up to t_max (8 bytes each); for a longer "
+                          "schedule use optax.cosine_decay_schedule (the closed form, equal within rounding)")
     eta_min = finite("eta_min", eta_min)
     lrs, lr = [], base_lr
     for t in range(max(t_max, _COSINE_EXACT) + 1):
@@ -512,4 +575,4 @@ def per_epoch(schedule: Schedule, steps_per_epoch: int) -> Schedule:
                           "a constant learning rate needs no per_epoch")
     # A float (even 3.0) failed at the first update with "Indexer must have integer type".
     steps_per_epoch = whole("steps_per_epoch", steps_per_epoch, 1)
-    return lambda count: schedule(jnp.asarray(count) // steps_per_epoch)
+    return lambda count: schedule(_floor_div(_step_count(count), steps_per_epoch))
