@@ -517,6 +517,8 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     two differ in the last bits and past `T_max`. This runs torch's recursion for the first
     max(T_max, 10,000) + 1 steps, exactly; past them (only reached beyond T_max, where torch's
     lr rises again) it evaluates that closed form, which torch's recursion follows within rounding.
+    The table is a constant of the jitted update (8 bytes a step), so `t_max` is limited to
+    10,000,000 (ConfigError past it; optax.cosine_decay_schedule is the closed form).
     """
     base_lr = _check_base_lr(base_lr)
     t_max = whole("t_max", t_max, 1)
