@@ -411,7 +411,7 @@ def _step_count(count) -> jax.Array:
     """`count` as an integer array. A float step (e.g. `sched(3.0)`) failed with "Indexer must
     have integer type": an integral one is taken; a concrete fractional one is refused (torch's
     recursive schedulers only ever reach whole steps); a traced float is floored."""
-    if not isinstance(count, jax.core.Tracer) and np.issubdtype(np.result_type(count), np.floating):
+    if not isinstance(count, jax.core.Tracer) and jnp.issubdtype(jnp.result_type(count), jnp.floating):
         if not np.all(np.mod(count, 1) == 0):
             raise ConfigError(f"the schedule's step `count` (={count!r}) must be a whole number (the number of "
                               "scheduler.step() calls); use an int")
