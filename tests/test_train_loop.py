@@ -610,3 +610,43 @@ def test_a_process_that_stops_alone_tells_the_others_why_and_exits_as_the_cli_wo
     _distributed.publish_failure(error)
     assert published == {"jaxport/failed/0": text}
     assert _distributed._watch.get("code", _distributed.EXIT_FAILED) == code
+
+
+def test_the_failure_watcher_is_stopped_and_joined_before_jax_shuts_down(monkeypatch):
+    """At interpreter shutdown a daemon thread returning from a C++ call is ended with
+    pthread_exit, and unwinding through the binding's frames aborted the process (process 0 of
+    a SIGTERM-interrupted two-process run printed its line, then died with status -6 instead of
+    143). The exit hook now stops the watcher and waits for it: no key-value call after it."""
+    import atexit
+    import threading
+
+    from jaxport.train import _distributed
+
+    calls, after_exit = [], threading.Event()
+
+    def record(name):
+        def call(*args, **kwargs):
+            if after_exit.is_set():
+                calls.append(name)
+            time.sleep(0.01)  # a slow read: the thread is inside the client when exit comes
+            return []
+        return call
+
+    client = types.SimpleNamespace(key_value_set=record("set"), key_value_dir_get=record("dir_get"))
+    hooks = []
+    monkeypatch.setattr(_distributed, "_client", lambda: client)
+    monkeypatch.setattr(_distributed, "_watch", {"started": False, "published": False, "finished": False})
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(atexit, "register", hooks.append)
+    before = set(threading.enumerate())
+    _distributed.watch_for_failures()
+    (watcher,) = set(threading.enumerate()) - before
+    assert watcher.daemon and watcher.is_alive()
+    time.sleep(0.3)
+    (hook,) = hooks
+    hook()  # what the interpreter runs at exit, before jax's own shutdown hook
+    after_exit.set()
+    assert not watcher.is_alive()
+    time.sleep(0.6)  # longer than one poll
+    assert calls == []

@@ -272,7 +272,7 @@ _FAILED, _EXITING, _ALIVE = "jaxport/failed/", "jaxport/exiting/", "jaxport/aliv
 EXIT_FAILED = 2  # the CLI's status for an error; an interrupted process exits with 128 + the signal
 _INTERRUPTED = "interrupted ("  # + "Ctrl-C)" or "SIGTERM)"
 _POLL_S, _EXIT_WAIT_S, _STALE_S = 0.5, 10.0, 15.0
-_watch = {"started": False, "published": False, "finished": False}
+_watch: dict = {"started": False, "published": False, "finished": False, "thread": None}
 
 
 def _client():
@@ -361,8 +361,9 @@ def watch_for_failures() -> None:
                      "from the latest checkpoint)", frozenset(silent))
             time.sleep(_POLL_S)
 
-    threading.Thread(target=loop, daemon=True, name="jaxport-failure-watch").start()
-    atexit.register(_exit_if_published)  # after jax's shutdown hook, so it runs first
+    _watch["thread"] = threading.Thread(target=loop, daemon=True, name="jaxport-failure-watch")
+    _watch["thread"].start()
+    atexit.register(_at_exit)  # after jax's shutdown hook, so it runs first
 
 
 # What jax's collectives and coordination client say when the other end has gone: a Gloo
@@ -416,9 +417,20 @@ def publish_failure(error: BaseException) -> None:
     _watch["published"] = True
 
 
-def _exit_if_published() -> None:
+def _at_exit() -> None:
+    """A process that published its failure exits here (skipping jax's shutdown barrier). Any
+    other stops its watcher first, and waits for it: at interpreter shutdown a daemon thread
+    that comes back from a C++ call (the watcher's key-value reads release the GIL) is ended
+    with pthread_exit, whose unwinding through the binding's C++ frames aborts the process
+    ("terminate called ... FATAL: exception not rethrown", status -6). Seen once on a loaded
+    machine: process 0 of a SIGTERM-interrupted run printed its line, then aborted instead of
+    exiting 143."""
     if _watch["published"]:
         _exit_together(_client(), _watch.get("code", EXIT_FAILED))
+    _watch["finished"] = True
+    thread = _watch.get("thread")
+    if thread is not None:
+        thread.join(timeout=_EXIT_WAIT_S)  # one poll: a sleep, then at most a few quick reads
 
 
 def finish_together() -> None:
