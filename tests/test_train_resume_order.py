@@ -265,3 +265,14 @@ def test_resume_rewrites_metrics_to_one_row_per_finished_epoch(tmp_path, data, r
         metrics.write_text(lines[0].replace('"epoch": 0', f'"epoch": {epoch}', 1))
         with pytest.raises(CheckpointError, match=rf"line 1 is not a metrics row .*integer epoch \(it is {epoch}\)"):
             train(_cfg(work, data, resume=True))
+
+
+def test_resume_with_fewer_epochs_than_done_trains_nothing_and_names_no_new_schedule(tmp_path, data, reference):
+    """Resuming a finished 3-epoch run with --epochs 2 said "(the cosine schedule now ends at the
+    new --epochs)", though no step was left to run on any schedule."""
+    work = _copy(reference, tmp_path)
+    said = []
+    assert train(_cfg(work, data, resume=True, epochs=2), log=said.append)["steps_run"] == 0
+    (resumed,) = [m for m in said if m.startswith("resuming from step")]
+    assert resumed == "resuming from step 12 with changed settings: --epochs 2 (was 3)", said
+    assert any(m.startswith("nothing to train: the latest checkpoint is at step 12") for m in said), said

@@ -312,8 +312,9 @@ def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
                               f"{'0' if saved[key] == 0 else 'not 0'}, or start a new --workdir")
 
 
-def _changes(saved: dict | None, now: dict, batch: int | None = None) -> str:
-    """` with changed settings: --lr 0.01 (was 0.05), ...`, or nothing."""
+def _changes(saved: dict | None, now: dict, batch: int | None = None, trains: bool = True) -> str:
+    """` with changed settings: --lr 0.01 (was 0.05), ...`, or nothing. `trains`: whether any step
+    is left to run (if not, a new --epochs moves no schedule: nothing is said of it)."""
     if saved is None:  # written before settings were recorded
         return " (its checkpoint does not record the earlier settings; this run uses the ones given now)"
     def change(k: str) -> str:  # a switch as the command line has it: "--sync-bn (was off)", not "True (was False)"
@@ -332,8 +333,15 @@ def _changes(saved: dict | None, now: dict, batch: int | None = None) -> str:
         changed.append(f"{n} device(s) (was {was}{bn})")
     if not changed:
         return ""
-    schedule = " (the cosine schedule now ends at the new --epochs)" if saved.get("epochs") != now["epochs"] else ""
+    schedule = (" (the cosine schedule now ends at the new --epochs)"
+                if trains and saved.get("epochs") != now["epochs"] else "")
     return f" with changed settings: {', '.join(changed)}{schedule}"
+
+
+def _last_step(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """The global step the run ends at: the last epoch's end, or --max-steps before it."""
+    end = steps_per_epoch * cfg.epochs
+    return end if cfg.max_steps is None else min(cfg.max_steps, end)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -596,7 +604,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
             meta["epoch_sums"] = saved["epoch_sums"]
             unused = (f"; --init {cfg.init} is not used (the checkpoint in {_checkpoint.checkpoint_dir(cfg.workdir)} "
                       "holds every weight)" if cfg.init else "")
-            changes = _changes(saved.get("settings"), meta["settings"], batch)
+            changes = _changes(saved.get("settings"), meta["settings"], batch,
+                               trains=int(state.step) < _last_step(cfg, steps_per_epoch))
             say(f"resuming from step {int(state.step)}{changes}{unused}")
         elif cfg.resume:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
@@ -616,8 +625,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
                 say(f"--resume: {metrics_path} holds no row for epoch(s) {', '.join(str(e + 1) for e in missing)}; "
                     "they cannot be recomputed, and the plot will miss them")
 
-        last_step = steps_per_epoch * cfg.epochs if cfg.max_steps is None else min(cfg.max_steps,
-                                                                                    steps_per_epoch * cfg.epochs)
+        last_step = _last_step(cfg, steps_per_epoch)
         say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
             f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
             f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm "
