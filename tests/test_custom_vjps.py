@@ -269,3 +269,70 @@ def test_resnet18_stem_gradients_at_224px_under_jit_equal_torch_float64(x64):
                       (grads["layer1"]["0"]["conv1"]["kernel"], ref.layer1[0].conv1.weight.grad.permute(2, 3, 1, 0))]:
         want = want.numpy()
         assert np.abs(np.asarray(got) - want).max() <= 1e-10 * np.abs(want).max()
+
+
+# (N, H, W, C, O, kernel, stride, padding, dilation, groups): ResNet's 3x3 convs on the maps
+# where XLA:CPU's convolution is slow (outputs of 9 positions or fewer; grouped kernels'
+# gradients), strided, dilated and grouped, plus odd sizes.
+CONVS = [
+    (3, 2, 2, 8, 8, 3, 1, 1, 1, 1),     # 2x2 out (ResNet layer4 at 64 px)
+    (3, 1, 1, 8, 6, 3, 1, 1, 1, 1),     # 1x1: only the centre tap
+    (2, 4, 4, 4, 8, 3, 2, 1, 1, 1),     # strided, 4x4 -> 2x2
+    (2, 2, 4, 6, 6, 3, 1, 1, 1, 1),     # 2x4
+    (2, 3, 3, 5, 7, 3, 1, 1, 1, 1),     # 3x3 out, the largest small map
+    (2, 3, 3, 4, 4, 3, 1, 2, 2, 1),     # dilated (replace_stride_with_dilation)
+    (2, 2, 2, 8, 16, 3, 1, 1, 1, 4),    # grouped, 2x2
+    (2, 5, 4, 8, 8, 3, 2, 1, 1, 4),     # grouped, strided, odd sizes, 3x2 out
+    (2, 9, 7, 8, 12, 3, 1, 1, 1, 4),    # grouped on a larger map: grouped_conv's kernel gradient
+    (2, 9, 8, 8, 8, 3, 2, 1, 1, 2),     # grouped, strided, larger map
+    (2, 8, 8, 6, 6, 3, 1, 2, 2, 3),     # grouped, dilated
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("conv", CONVS, ids=lambda c: "x".join(map(str, c)))
+def test_small_map_and_grouped_convs_match_torch(x64, dtype, conv):
+    """`small_map_conv` (im2col dot) and `grouped_conv` (its own kernel gradient) against
+    torch's conv2d: output, input gradient and kernel gradient, for each configuration."""
+    from jaxport.models._grads import grouped_conv, small_map, small_map_conv
+
+    n, h, w, c, o, k, stride, pad, dil, groups = conv
+    np_dtype, rtol = DTYPES[dtype]
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((n, h, w, c)).astype(np_dtype)
+    kernel = rng.standard_normal((k, k, c // groups, o)).astype(np_dtype)
+    xt, kt = _nchw(x).requires_grad_(), torch.tensor(np.ascontiguousarray(kernel.transpose(3, 2, 0, 1))).requires_grad_()
+    yt = F.conv2d(xt, kt, stride=stride, padding=pad, dilation=dil, groups=groups)
+    g = rng.standard_normal(_nhwc(yt).shape).astype(np_dtype)
+    yt.backward(_nchw(g))
+    fns = [lambda a, b: small_map_conv(a, b, stride, pad, dil, groups)]
+    if groups > 1:
+        fns.append(lambda a, b: grouped_conv(a, b, stride, pad, dil, groups))
+    if groups == 1 or h * w > 9:
+        assert small_map(x.shape, k, stride, pad, dil) == (yt.shape[2] * yt.shape[3] <= 9)
+    for f in fns:
+        y, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(kernel))
+        dx, dk = vjp(jnp.asarray(g))
+        assert y.dtype == dx.dtype == dk.dtype == np_dtype
+        np.testing.assert_allclose(np.asarray(y), _nhwc(yt), rtol=rtol, atol=10 * rtol)
+        np.testing.assert_allclose(np.asarray(dx), _nhwc(xt.grad), rtol=rtol, atol=10 * rtol)
+        np.testing.assert_allclose(np.asarray(dk), kt.grad.numpy().transpose(2, 3, 1, 0), rtol=rtol, atol=10 * rtol)
+
+
+@pytest.mark.parametrize("arch, size, small, grouped", [
+    ("resnet18", 32, 8, 0),          # layer3 (2x2) and layer4 (1x1): 8 of its 16 3x3 convs (stem: 16x16 out)
+    ("resnet50", 128, 0, 0),         # layer4 at 4x4: XLA's convolution stays
+    ("resnext50_32x4d", 64, 3, 13),  # layer4 (2x2) im2col; the other grouped 3x3 convs grouped_conv
+])
+def test_the_models_pick_small_map_and_grouped_convs_where_they_apply(arch, size, small, grouped, monkeypatch):
+    """Which convs take which path on XLA:CPU, counted while tracing the model."""
+    from jaxport.models import _resnet, build
+
+    calls = {"small": 0, "grouped": 0}
+    for name, key in (("small_map_conv", "small"), ("grouped_conv", "grouped")):
+        real = getattr(_resnet, name)
+        monkeypatch.setattr(_resnet, name, lambda *a, _real=real, _key=key, **kw: (
+            calls.__setitem__(_key, calls[_key] + 1), _real(*a, **kw))[1])
+    model = build(arch, num_classes=10)
+    jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2, size, size, 3))))
+    assert calls == {"small": small, "grouped": grouped}

@@ -3,7 +3,8 @@
 Every function here returns what jax's own autodiff would (the same products, summed in
 another order: equal to float rounding, tested against torch in tests/test_custom_vjps.py). Each
 exists because of one measured profile of ResNet-50's training step (benchmarks/README.md,
-section 4), not for style.
+section 4), or of XLA:CPU's convolution on small maps and grouped kernels (`small_map_conv`,
+`grouped_conv`), not for style.
 """
 from __future__ import annotations
 
@@ -223,3 +224,76 @@ def _phase_input_grad(x, kernel, g, stride, padding):
 
 
 strided_conv.defvjp(_strided_conv_fwd, _strided_conv_bwd)
+
+
+def small_map_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: int, dilation: int = 1,
+                   groups: int = 1) -> jax.Array:
+    """A convolution (NHWC, HWIO, symmetric `padding`) as one dot over gathered windows (im2col).
+
+    For maps whose output has a few positions (ResNet's layer3/4 below ~100 px: 2x2, 1x1, 2x4).
+    XLA:CPU's convolution runs those 10-60x slower than the same products as a dot: a 3x3 conv
+    of (64, 2, 2, 256) took 68 ms forward and 128 ms with its gradients, against 1.4 and 3.6 ms
+    here (`jaxport train`'s default ResNet-18 at 32 px spent ~90% of its step there). jax's
+    own rules differentiate it (slices, pads and dots), in both modes.
+    """
+    n, h, w, c = x.shape
+    kh, kw, cg, o = kernel.shape
+    oh = (h + 2 * padding - dilation * (kh - 1) - 1) // stride + 1
+    ow = (w + 2 * padding - dilation * (kw - 1) - 1) // stride + 1
+    xp = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    taps = [xp[:, i * dilation: i * dilation + (oh - 1) * stride + 1: stride,
+               j * dilation: j * dilation + (ow - 1) * stride + 1: stride] for i in range(kh) for j in range(kw)]
+    cols = jnp.stack(taps, axis=3).reshape(n * oh * ow, kh * kw, groups, cg)  # (i, j, c): the kernel's HWI order
+    k = kernel.reshape(kh * kw, cg, groups, o // groups)
+    y = jnp.einsum("ptgc,tcgo->pgo", cols, k)
+    return y.reshape(n, oh, ow, o)
+
+
+def small_map(x_shape: tuple[int, ...], kernel: int, stride: int, padding: int, dilation: int = 1) -> bool:
+    """Whether a conv's output has at most 9 positions: `small_map_conv` is faster there on XLA:CPU
+    (measured: 2x2, 2x4 and 3x3 outputs faster, 4x4 as fast or slower)."""
+    oh, ow = ((s + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1 for s in x_shape[1:3])
+    return oh * ow <= 9
+
+
+def _grouped(x, kernel, stride, padding, dilation, groups):
+    return jax.lax.conv_general_dilated(
+        x, kernel, (stride, stride), ((padding, padding), (padding, padding)), rhs_dilation=(dilation, dilation),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=groups,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def grouped_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: int, dilation: int, groups: int) -> jax.Array:
+    """A grouped convolution (ResNeXt's 3x3 convs); only the kernel's gradient is computed another way.
+
+    XLA:CPU computes a grouped conv's kernel gradient 30-130x slower than its forward pass: 3.2 s
+    for (8, 28, 28, 256) with 32 groups, 15 s with 64 groups, where this takes ~0.1 s: per
+    kernel tap, one dot per group over every output position (the window's view of `x` against
+    the output gradient, no copy of the windows).
+    """
+    return _grouped(x, kernel, stride, padding, dilation, groups)
+
+
+def _grouped_fwd(x, kernel, stride, padding, dilation, groups):
+    return _grouped(x, kernel, stride, padding, dilation, groups), (x, kernel)
+
+
+def _grouped_bwd(stride, padding, dilation, groups, res, g):
+    x, kernel = res
+    dx = jax.vjp(lambda x_: _grouped(x_, kernel, stride, padding, dilation, groups), x)[1](g)[0]
+    kh, kw, cg, o = kernel.shape
+    n, oh, ow, _ = g.shape
+    xp = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    gg = g.reshape(n * oh * ow, groups, o // groups)
+    taps = []
+    for i in range(kh):
+        for j in range(kw):
+            view = xp[:, i * dilation: i * dilation + (oh - 1) * stride + 1: stride,
+                      j * dilation: j * dilation + (ow - 1) * stride + 1: stride]
+            taps.append(jnp.einsum("pgc,pgo->cgo", view.reshape(n * oh * ow, groups, cg), gg).reshape(cg, o))
+    dk = jnp.stack(taps).reshape(kh, kw, cg, o)
+    return dx, dk.astype(kernel.dtype)
+
+
+grouped_conv.defvjp(_grouped_fwd, _grouped_bwd)

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from .._args import closest, is_int
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
-from ._grads import conv1x1, conv1x1_primal, max_pool, max_pool_primal, on_xla_cpu, strided_conv, use_custom_vjps
+from ._grads import (conv1x1, conv1x1_primal, grouped_conv, max_pool, max_pool_primal, on_xla_cpu, small_map,
+                     small_map_conv, strided_conv, use_custom_vjps)
 
 Dtype = Any
 
@@ -110,7 +111,9 @@ class _ConvLeaf(nn.Module):
         )
         bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        if k == 1 and self.groups == 1 and on_xla_cpu():
+        if k > 1 and on_xla_cpu() and small_map(x.shape, k, self.stride, pad, self.dilation):
+            y = small_map_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
+        elif k == 1 and self.groups == 1 and on_xla_cpu():
             # A 1x1 conv is a matmul over channels of the strided input. XLA:CPU runs it about
             # 2x faster as a dot than as a convolution, forward and backward (ResNet-50's
             # bottleneck and downsample layers); same products, summed in another order. On
@@ -119,6 +122,8 @@ class _ConvLeaf(nn.Module):
             y = (conv1x1 if self.custom_vjps else conv1x1_primal)(x[:, ::s, ::s] if s > 1 else x, kernel[0, 0])
         elif k > 1 and self.stride > 1 and self.groups == 1 and self.dilation == 1 and self.custom_vjps:
             y = strided_conv(x, kernel, self.stride, pad)
+        elif self.groups > 1 and self.custom_vjps and on_xla_cpu():
+            y = grouped_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
         else:
             y = jax.lax.conv_general_dilated(
                 x,
