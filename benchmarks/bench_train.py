@@ -5,6 +5,8 @@ CPU (default): float32, torchvision + torch.optim.SGD eager in the same run, bat
 eager and torch.compile, channels_last, autocast bf16.
 
     python benchmarks/bench_train.py                      # CPU figures
+    python benchmarks/bench_train.py --arch resnet18 --classes 10 --configs 64x32
+        # `jaxport train`'s default model and batch (the digits at 32 px)
     python benchmarks/bench_train.py --gpu --configs 256x224  # on a GPU machine
     python benchmarks/bench_train.py --gpu --configs 256x224 --custom-vjps true --skip-torch
         # the hand-written VJPs on the GPU, with its 1x1 convs as lax.conv: never run there
@@ -33,12 +35,14 @@ def _parse():
     p.add_argument("--custom-vjps", choices=["auto", "true", "false"], default="auto",
                    help="the model's custom_vjps: auto (None, the default: on XLA:CPU only), true, false; "
                         "the 1x1 convs are dots on XLA:CPU only, whatever this says")
+    p.add_argument("--arch", default="resnet50", help="any of jaxport.models' architectures (default resnet50)")
+    p.add_argument("--classes", type=int, default=1000, help="classifier size (default 1000)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args()
 
 
-def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None):
+def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50", classes=1000):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -48,14 +52,14 @@ def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None):
     from jaxport.train._optim import sgd
 
     mesh = make_mesh(jax.devices()[:1])
-    model = build("resnet50", num_classes=1000, dtype=jnp.bfloat16 if bf16 else None, custom_vjps=custom_vjps)
+    model = build(arch, num_classes=classes, dtype=jnp.bfloat16 if bf16 else None, custom_vjps=custom_vjps)
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, size, size, 3)))
     tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     state = create_state(variables, tx, mesh)
     step = make_train_step(model, tx, mesh)
     rng = np.random.default_rng(0)
     x, y = shard_batch(mesh, rng.standard_normal((batch, size, size, 3)).astype(np.float32),
-                       rng.integers(0, 1000, batch).astype(np.int32))
+                       rng.integers(0, classes, batch).astype(np.int32))
     t = time.perf_counter()
     for _ in range(warmup):
         state, m = step(state, x, y)
@@ -68,19 +72,19 @@ def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None):
     return batch * steps / (time.perf_counter() - t), compile_s
 
 
-def bench_torch(batch, size, steps, warmup, gpu, compiled):
+def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", classes=1000):
     import torch
     import torchvision
 
     dev = "cuda" if gpu else "cpu"
-    model = torchvision.models.resnet50().to(dev).train()
+    model = getattr(torchvision.models, arch)(num_classes=classes).to(dev).train()
     if gpu:
         model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     x = torch.randn(batch, 3, size, size, device=dev)
     if gpu:
         x = x.to(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (batch,), device=dev)
+    y = torch.randint(0, classes, (batch,), device=dev)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -113,15 +117,17 @@ def main():
     for c in configs:
         batch, size = map(int, c.split("x"))
         custom_vjps = {"auto": None, "true": True, "false": False}[args.custom_vjps]
-        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps)
-        row = {"batch": batch, "size": size, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
+        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps, args.arch, args.classes)
+        row = {"arch": args.arch, "batch": batch, "size": size, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
                "jax_compile_s": compile_s}
         # Printed before torch runs: torch.compile's compile can outlast a GPU lease's time limit.
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if not args.skip_torch:
-            row["torch_eager_img_s"] = bench_torch(batch, size, args.steps, args.warmup, args.gpu, False)
+            row["torch_eager_img_s"] = bench_torch(batch, size, args.steps, args.warmup, args.gpu, False,
+                                                   args.arch, args.classes)
             if args.gpu:
-                row["torch_compiled_img_s"] = bench_torch(batch, size, args.steps, args.warmup, True, True)
+                row["torch_compiled_img_s"] = bench_torch(batch, size, args.steps, args.warmup, True, True,
+                                                          args.arch, args.classes)
             row["speedup_vs_eager"] = jax_ips / row["torch_eager_img_s"]
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
