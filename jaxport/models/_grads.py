@@ -72,12 +72,15 @@ def _conv1x1_bwd(res, g):
 conv1x1.defvjp(_conv1x1_fwd, _conv1x1_bwd)
 
 
-def _window_views(xp: jax.Array, window: int, stride: int, out_hw: tuple[int, int]) -> list[jax.Array]:
+def _window_views(xp: jax.Array, window: int | tuple[int, int], stride: int, out_hw: tuple[int, int],
+                  dilation: int = 1) -> list[jax.Array]:
     """The window's taps of the padded NHWC `xp`, row-major (torch's scan order), each (N, OH, OW, C)."""
+    kh, kw = (window, window) if isinstance(window, int) else window
     oh, ow = out_hw
     return [
-        xp[:, i: i + (oh - 1) * stride + 1: stride, j: j + (ow - 1) * stride + 1: stride]
-        for i in range(window) for j in range(window)
+        xp[:, i * dilation: i * dilation + (oh - 1) * stride + 1: stride,
+           j * dilation: j * dilation + (ow - 1) * stride + 1: stride]
+        for i in range(kh) for j in range(kw)
     ]
 
 
@@ -236,14 +239,12 @@ def small_map_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: int, d
     here (`jaxport train`'s default ResNet-18 at 32 px spent ~90% of its step there). jax's
     own rules differentiate it (slices, pads and dots), in both modes.
     """
-    n, h, w, c = x.shape
+    n = x.shape[0]
     kh, kw, cg, o = kernel.shape
-    oh = (h + 2 * padding - dilation * (kh - 1) - 1) // stride + 1
-    ow = (w + 2 * padding - dilation * (kw - 1) - 1) // stride + 1
+    oh, ow = _out_hw(x.shape, kh, stride, padding, dilation)
     xp = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
-    taps = [xp[:, i * dilation: i * dilation + (oh - 1) * stride + 1: stride,
-               j * dilation: j * dilation + (ow - 1) * stride + 1: stride] for i in range(kh) for j in range(kw)]
-    cols = jnp.stack(taps, axis=3).reshape(n * oh * ow, kh * kw, groups, cg)  # (i, j, c): the kernel's HWI order
+    views = _window_views(xp, (kh, kw), stride, (oh, ow), dilation)
+    cols = jnp.stack(views, axis=3).reshape(n * oh * ow, kh * kw, groups, cg)  # (i, j, c): the kernel's HWI order
     k = kernel.reshape(kh * kw, cg, groups, o // groups)
     y = jnp.einsum("ptgc,tcgo->pgo", cols, k)
     return y.reshape(n, oh, ow, o)
@@ -252,8 +253,14 @@ def small_map_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: int, d
 def small_map(x_shape: tuple[int, ...], kernel: int, stride: int, padding: int, dilation: int = 1) -> bool:
     """Whether a conv's output has at most 9 positions: `small_map_conv` is faster there on XLA:CPU
     (measured: 2x2, 2x4 and 3x3 outputs faster, 4x4 as fast or slower)."""
-    oh, ow = ((s + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1 for s in x_shape[1:3])
+    oh, ow = _out_hw(x_shape, kernel, stride, padding, dilation)
     return oh * ow <= 9
+
+
+def _out_hw(x_shape: tuple[int, ...], kernel: int, stride: int, padding: int, dilation: int) -> tuple[int, int]:
+    """A square-kernel conv's output height and width for NHWC `x_shape` (torch's floor rule)."""
+    oh, ow = ((s + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1 for s in x_shape[1:3])
+    return oh, ow
 
 
 def _grouped(x, kernel, stride, padding, dilation, groups):
@@ -286,12 +293,8 @@ def _grouped_bwd(stride, padding, dilation, groups, res, g):
     n, oh, ow, _ = g.shape
     xp = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
     gg = g.reshape(n * oh * ow, groups, o // groups)
-    taps = []
-    for i in range(kh):
-        for j in range(kw):
-            view = xp[:, i * dilation: i * dilation + (oh - 1) * stride + 1: stride,
-                      j * dilation: j * dilation + (ow - 1) * stride + 1: stride]
-            taps.append(jnp.einsum("pgc,pgo->cgo", view.reshape(n * oh * ow, groups, cg), gg).reshape(cg, o))
+    taps = [jnp.einsum("pgc,pgo->cgo", view.reshape(n * oh * ow, groups, cg), gg).reshape(cg, o)
+            for view in _window_views(xp, (kh, kw), stride, (oh, ow), dilation)]
     dk = jnp.stack(taps).reshape(kh, kw, cg, o)
     return dx, dk.astype(kernel.dtype)
 
