@@ -95,6 +95,8 @@ def test_sigterm_to_one_process_stops_both_at_the_same_checkpointed_step(tmp_pat
         for p, err in zip(procs, errs):
             assert p.returncode == 128 + signal.SIGTERM, (target, err[-3000:])
             assert "Traceback" not in err
+            # orbax's raw absl notice of the same step (twice on process 0), dropped while saving
+            assert "Reached preemption sync point" not in err, (target, err[-3000:])
             m = re.search(r"^jaxport: interrupted: SIGTERM at step (\d+): checkpoint saved", err, re.M)
             assert m, (target, err[-3000:])
             stopped.add(int(m[1]))

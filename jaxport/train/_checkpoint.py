@@ -74,6 +74,8 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
         require_space(where, sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20), "save it")
     except OSError as e:  # orbax writes a little less than the arrays' bytes: the bound is safe
         raise _not_written(mngr, step, e.strerror) from None
+    absl = logging.getLogger("absl")
+    absl.addFilter(_no_preemption_notice)
     try:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
                   force=True)
@@ -87,6 +89,15 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
         full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
         why = "the disk is full: free some space" if full else f"{type(e).__name__}: {first[:300]}"
         raise _not_written(mngr, step, why) from None
+    finally:
+        absl.removeFilter(_no_preemption_notice)
+
+
+def _no_preemption_notice(record: logging.LogRecord) -> bool:
+    """Drops orbax's "Reached preemption sync point, step=N" warning. Saving the step that
+    every process agreed on after a SIGTERM, orbax logged it (twice on process 0) in raw absl
+    format beside the CLI's own line saying the same: "interrupted: SIGTERM at step N"."""
+    return "Reached preemption sync point" not in str(record.msg)
 
 
 def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
