@@ -30,12 +30,11 @@ from .._io import require_space
 # writes a slice of its copy, cut by an eager `lax.slice` that is compiled anew for every array
 # shape and device. A run's first save (and every save of a new process) compiled ~1,000 of them:
 # ~8 s of a 33 s one-step ResNet-18 run on 8 CPU devices. Here one replica writes each array (as
-# orbax did before replica-parallel): the checkpoint's files are the same.
+# orbax did before replica-parallel): the checkpoint's files are the same. The other types keep
+# the handlers orbax has registered for them.
 _TYPES = ocp.type_handlers.create_type_handler_registry(
     (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
-    (np.ndarray, ocp.type_handlers.NumpyHandler()),
-    *((t, ocp.type_handlers.ScalarHandler()) for t in (int, float, bytes, np.number)),
-    (str, ocp.type_handlers.StringHandler()))
+    *((t, ocp.type_handlers.get_type_handler(t)) for t in (np.ndarray, int, float, bytes, np.number, str)))
 
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
 _READ_TRIES = 5  # reads of the newest checkpoint by `load_workdir` while a run may be rotating them
