@@ -4,9 +4,11 @@ The memory figures are XLA's compiled memory analysis on CPU (the same code path
 only the limit differs). Out-of-memory during training is simulated by a step that raises the
 runtime error XLA raises, since a CPU host does not run out at these sizes.
 """
+import math
 import re
 
 import jax
+import numpy as np
 import pytest
 
 from jaxport import _cli
@@ -104,3 +106,50 @@ def test_memory_probes_skip_llvms_optimisation_and_give_the_optimised_programs_f
     optimised = _memory.step_bytes(step, state, mesh, 3, 16)
     assert seen == [{"xla_backend_optimization_level": 0}, None]
     assert probed == optimised
+
+
+def _curves(n):
+    """Growing memory figures (bytes) for batches 0..n: affine; flat, then steeper twice, as
+    XLA's are (fixed buffers dominate the first batches); convex, concave, lumpy, and one jump."""
+    b = np.arange(n + 1)
+    return {"affine": 10_000 + 300 * b,
+            "flat-then-steep": 10_000 + 130 * np.maximum(0, b - 3) + 130 * np.maximum(0, b - 80),
+            "convex": 10_000 + 3 * b ** 2,
+            "concave": 10_000 + (3_000 * np.sqrt(b)).astype(int),
+            "lumpy": 10_000 + 300 * b + np.maximum.accumulate(np.random.default_rng(0).integers(0, 5_000, n + 1)),
+            "jump": 10_000 + b + 50_000 * (b > n // 3)}
+
+
+@pytest.mark.parametrize("lo, hi", [(1, 256), (2, 256), (2, 179), (1, 12), (3, 40), (2, 2)])
+def test_the_batch_search_is_exact_and_asks_few_sizes(lo, hi):
+    """The largest fitting size for any growing figure, asking about twice log2 of the sizes at
+    most: each one asked is a compilation of seconds."""
+    sizes = [b for b in range(lo, hi + 1) if b < 16 or b % 8 == 0 or b == hi]
+    bound = 3 * math.ceil(math.log2(len(sizes))) + 2 if len(sizes) > 1 else 1
+    for name, curve in _curves(hi).items():
+        for limit in np.unique(np.linspace(curve[lo], curve[hi] * 1.01, 40).astype(int)):
+            asked = []
+            got = _memory._largest_fitting(lambda b: asked.append(b) or int(curve[b]), sizes, int(limit))
+            assert got == max(b for b in sizes if curve[b] <= limit), (name, limit)
+            assert len(set(asked)) <= bound, (name, limit, asked)
+    assert _memory._largest_fitting(lambda b: 100, sizes, 99) is None
+
+
+def test_batch_size_auto_compiles_few_sizes_where_memory_is_flat_then_steep(monkeypatch):
+    """XLA's figure for ResNet-18 at 16 px is the same for batches 2 and 3 (fixed buffers), then
+    grows. The affine prediction from those two said 256, and stepping down from it compiled 13
+    sizes, ~5 s each, before settling on 80 per device (up to 17 on this curve)."""
+    curve = _curves(256)["flat-then-steep"]
+    asked = []
+
+    def step_bytes(step, state, mesh, b, image_size):
+        asked.append(b)
+        return int(curve[b])
+
+    monkeypatch.setattr(_memory, "step_bytes", step_bytes)
+    sizes = [b for b in range(2, 257) if b < 16 or b % 8 == 0]
+    for want, bigger in zip(sizes[1:], sizes[2:]):  # (2 needs what 3 needs)
+        asked.clear()
+        limit = int(curve[want] + curve[bigger]) // 2
+        assert _memory.largest_batch(None, None, None, 16, limit, min_per_device=2, log=lambda m: None) == want
+        assert len(set(asked)) <= 7, (want, asked)

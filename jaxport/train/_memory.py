@@ -1,6 +1,7 @@
 """Batch size from XLA's compiled memory analysis, before anything runs."""
 from __future__ import annotations
 
+import bisect
 import os
 from typing import Callable
 
@@ -51,44 +52,75 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
                   log: Callable[[str], None] = print, min_per_device: int = 1) -> int:
     """The largest per-device batch whose step fits in `limit_bytes`.
 
-    Predicts from two compilations (batch `min_per_device` and one more: memory is affine in
-    the batch), then confirms the prediction by compiling it, stepping down until XLA's
-    analysis fits. `min_per_device` is 2 where one image per device is no valid step (per-device
+    The sizes tried are `min_per_device`..15, then multiples of 8, and `max_per_device`. Each
+    size is compiled once, only for its memory analysis; `_largest_fitting` picks which (usually
+    4-6 of them). `min_per_device` is 2 where one image per device is no valid step (per-device
     BatchNorm over 1x1 maps), which then is never compiled.
 
     Raises:
       OutOfMemoryError: not even `min_per_device` images per device fit.
     """
+    lo, hi = min_per_device, max(min_per_device, max_per_device)
+    sizes = [b for b in range(lo, hi + 1) if b < 16 or b % 8 == 0 or b == hi]
     known: dict[int, int] = {}
 
-    def need(b: int) -> int:  # each size is compiled once (a compilation takes seconds)
+    def need(b: int) -> int:  # a compilation takes seconds: each size once
         if b not in known:
             known[b] = step_bytes(step, state, mesh, b, image_size)
         return known[b]
 
-    lo = min_per_device
-    m1 = need(lo)
-    if m1 > limit_bytes:
-        raise OutOfMemoryError(f"a batch of {lo} per device needs {m1 / 2**20:.0f} MiB, more than the "
+    b = _largest_fitting(need, sizes, limit_bytes)
+    if b is None:
+        raise OutOfMemoryError(f"a batch of {lo} per device needs {need(lo) / 2**20:.0f} MiB, more than the "
                                f"{limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model")
-    if max_per_device <= lo:
-        b = lo
-    else:
-        per_example = max(need(lo + 1) - m1, 1)
-        b = int(min(max_per_device, lo + (limit_bytes - m1) // per_example))
-        b = b // 8 * 8 if b >= 16 else b
-    while b > lo and need(b) > limit_bytes:  # the prediction was optimistic: step down
-        b = max(lo, int(b * limit_bytes / need(b)) // 8 * 8 if b > 16 else b - 1)
-    while b < max_per_device:  # memory is not exactly affine: confirm the next size does not fit
-        up = min(max_per_device, b + 1 if b < 16 else b + 8)
-        if need(up) > limit_bytes:
-            break
-        b = up
     # Say when the cap, not memory, chose the size (a GPU with 64 GiB free is not "full" at 256).
-    capped = ", the most it picks" if b == max_per_device else ""
+    capped = ", the most it picks" if b == hi else ""
     log(f"--batch-size auto: {b} per device{capped} ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
         "from XLA's memory analysis)")
     return b
+
+
+def _largest_fitting(need: Callable[[int], int], sizes: list[int], limit: int) -> int | None:
+    """The largest of the ascending `sizes` with `need(size) <= limit`, where `need` grows with
+    the size; None when the first does not fit. Returns `sizes[i]` only once `sizes[i + 1]` is
+    known not to fit (or is the last), so the answer is exact for any growing `need`.
+
+    `need` is expensive (a compilation), so it is asked few sizes: the smallest, the largest,
+    then regula falsi between the largest size known to fit and the smallest known not to,
+    reading memory as affine in the batch between them. XLA's figure is not affine: it stays
+    flat over the small batches, where fixed buffers dominate, then steepens, so the straight
+    line through the ends keeps landing short of the answer. The Illinois rule (halve the
+    weight of an end kept twice) moves it along, and a bisection step whenever three steps did
+    not halve the interval bounds the count by about twice log2(len(sizes)). On ResNet-18's
+    figures this takes ~6 sizes where stepping down from an affine prediction took 13.
+    """
+    a, z = 0, len(sizes) - 1
+    if need(sizes[a]) > limit:
+        return None
+    if need(sizes[z]) <= limit:
+        return sizes[z]
+    fa, fz = need(sizes[a]) - limit, need(sizes[z]) - limit  # <= 0 < fz
+    kept, widths = 0, []  # kept: +1 if `a` moved last, -1 if `z` did
+    while z - a > 1:
+        if len(widths) >= 3 and 2 * (z - a) > widths[-3]:
+            j = (a + z) // 2
+        else:
+            estimate = sizes[a] + -fa * (sizes[z] - sizes[a]) / (fz - fa)
+            j = bisect.bisect_right(sizes, estimate) - 1
+        j = min(max(j, a + 1), z - 1)
+        widths.append(z - a)
+        fj = need(sizes[j]) - limit
+        if fj <= 0:
+            a, fa = j, fj
+            if kept == 1:
+                fz /= 2
+            kept = 1
+        else:
+            z, fz = j, fj
+            if kept == -1:
+                fa /= 2
+            kept = -1
+    return sizes[a]
 
 
 def is_out_of_memory(err: BaseException) -> bool:
