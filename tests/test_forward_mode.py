@@ -34,16 +34,32 @@ def _build(arch, **kwargs):
 
 @functools.cache
 def _setup(arch, dtype=jnp.float64, size=16):
+    # Built with one jitted init and numpy: eager jax ops compile once per parameter shape
+    # (~40 shapes), which took more of each test than the derivatives it checks.
     fast = _build(arch)
     plain = _build(arch, custom_vjps=False)
-    x = jax.random.normal(jax.random.PRNGKey(0), (2, size, size, 3), dtype)
-    variables = fast.init(jax.random.PRNGKey(1), x)
-    variables = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, variables)
+    x = np.random.default_rng(0).standard_normal((2, size, size, 3)).astype(dtype)
+    variables = jax.tree.map(np.asarray, jax.jit(fast.init)(jax.random.PRNGKey(1), x))
+    variables = jax.tree.map(lambda a: a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a, variables)
     # Non-default running statistics, so eval mode is not an identity BatchNorm.
-    stats = jax.tree.map(
-        lambda a: (jnp.abs(a) + 0.5 + 0.1 * jnp.arange(a.size, dtype=a.dtype).reshape(a.shape))
-        if jnp.issubdtype(a.dtype, jnp.floating) else a, variables["batch_stats"])
+    stats = jax.tree.map(lambda a: np.abs(a) + 0.5 + 0.1 * np.arange(a.size, dtype=a.dtype).reshape(a.shape),
+                         variables["batch_stats"])
     return fast, plain, {**variables, "batch_stats": stats}, x
+
+
+def _random_like(tree, seed):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(p.dtype), tree)
+
+
+def _jvp(f, primals, tangents):
+    """`jax.jvp` under one `jax.jit`: run eagerly, each op of the model compiles on its own."""
+    return jax.jit(lambda p, t: jax.jvp(f, p, t))(primals, tangents)
+
+
+def _vdot(a, b):
+    return sum(np.vdot(np.asarray(u), np.asarray(w)) for u, w in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                                                     strict=True))
 
 
 def _loss(model, variables, x, train):
@@ -70,11 +86,10 @@ def test_outputs_are_identical(x64, arch, train, dtype):
                                         ("basic", True)])
 def test_jvp_equals_reverse_mode(x64, arch, train):
     fast, plain, variables, x = _setup(arch)
-    v = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(p.size % 97), p.shape, p.dtype),
-                     variables["params"])
+    v = _random_like(variables["params"], 0)
     _, tangent = jax.jit(lambda p, t: jax.jvp(_loss(plain, variables, x, train), (p,), (t,)))(variables["params"], v)
     grads = jax.jit(jax.grad(_loss(fast, variables, x, train)))(variables["params"])
-    want = sum(jnp.vdot(g, t) for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(v), strict=True))
+    want = _vdot(grads, v)
     # Off the CPU jax differentiates max-pool's reduce-window in reduced precision ("Using reduced
     # precision for gradient of reduce-window min/max operator", XLA:GPU has no pair reductions):
     # 5e-7 / 9e-7 relative in train mode on an H200.
@@ -87,7 +102,7 @@ def test_forward_over_reverse_hessian_vector_product(x64):
     # beside ones near 0, so the tolerance is relative to each leaf's scale.
     fast, plain, variables, x = _setup("basic")
     params = variables["params"]
-    v = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(3), p.shape, p.dtype), params)
+    v = _random_like(params, 3)
     _, hvp = jax.jit(lambda p: jax.jvp(jax.grad(_loss(plain, variables, x, True)), (p,), (v,)))(params)
 
     def directional(p):
@@ -104,16 +119,18 @@ def test_default_model_refuses_forward_mode(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     fast, _, variables, x = _setup("resnet18", jnp.float32)
     with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(_loss(fast, variables, x, False), (variables["params"],), (variables["params"],))
+        _jvp(_loss(fast, variables, x, False), (variables["params"],), (variables["params"],))
 
 
 def test_folded_model_takes_the_switch(x64):
     fast, _, variables, x = _setup("resnet18")
     folded = models.fold_batchnorm(variables, "resnet18")
     model = models.build_folded("resnet18", num_classes=7, custom_vjps=False)
-    _, tangent = jax.jvp(lambda xx: model.apply(folded, xx), (x,), (jnp.ones_like(x),))
+    # Eager: the ops' compilations are shared with the other tests; one jitted float64 jvp of
+    # each model compiled for ~10 s.
+    _, tangent = jax.jvp(lambda xx: model.apply(folded, xx), (x,), (np.ones_like(x),))
     want = jax.jvp(lambda xx: models.build("resnet18", num_classes=7, custom_vjps=False).apply(variables, xx),
-                   (x,), (jnp.ones_like(x),))[1]
+                   (x,), (np.ones_like(x),))[1]
     np.testing.assert_allclose(np.asarray(tangent), np.asarray(want), rtol=1e-9, atol=1e-9)
 
 
@@ -122,19 +139,19 @@ def test_default_follows_the_backend(monkeypatch):
     # of them makes jax 0.11.2 abort while compiling ResNet-50's training step, so there the
     # default is jax's own rules, read from jax.default_backend() when the model is traced.
     fast, plain, variables, x = _setup("resnet18", jnp.float32)
-    params, tangents = variables["params"], jax.tree.map(jnp.ones_like, variables["params"])
+    params, tangents = variables["params"], jax.tree.map(np.ones_like, variables["params"])
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # the same test on a GPU host
     with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(_loss(fast, variables, x, True), (params,), (tangents,))
+        _jvp(_loss(fast, variables, x, True), (params,), (tangents,))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    _, got = jax.jvp(_loss(fast, variables, x, True), (params,), (tangents,))
-    _, want = jax.jvp(_loss(plain, variables, x, True), (params,), (tangents,))
+    _, got = _jvp(_loss(fast, variables, x, True), (params,), (tangents,))
+    _, want = _jvp(_loss(plain, variables, x, True), (params,), (tangents,))
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     folded = models.fold_batchnorm(variables, "resnet18")
-    jax.jvp(lambda xx: models.build_folded("resnet18", num_classes=7).apply(folded, xx), (x,), (jnp.ones_like(x),))
+    _jvp(lambda xx: models.build_folded("resnet18", num_classes=7).apply(folded, xx), (x,), (np.ones_like(x),))
     # An explicit True still means True, whatever the backend.
     with pytest.raises(TypeError, match="custom_vjp"):
-        jax.jvp(_loss(models.build("resnet18", num_classes=7, custom_vjps=True), variables, x, True),
+        _jvp(_loss(models.build("resnet18", num_classes=7, custom_vjps=True), variables, x, True),
                 (params,), (tangents,))
 
 
