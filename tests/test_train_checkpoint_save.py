@@ -71,3 +71,32 @@ def test_a_checkpoint_written_with_orbaxs_standard_handler_still_restores(tmp_pa
     for a, b, c in zip(jax.tree.leaves(state), jax.tree.leaves(restored), jax.tree.leaves(as_saved)):
         np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
         np.testing.assert_array_equal(np.asarray(c), np.asarray(a))
+
+
+def test_the_finiteness_check_before_a_save_compiles_nothing_and_sees_every_leaf():
+    """Every checkpoint is preceded by a check that the weights are finite. A jitted reduction
+    over the leaves compiled for 1-2 s in every process of every run; it is read on the host."""
+    import ml_dtypes
+
+    from jaxport.train import _loop
+
+    state = _replicated_state(make_mesh(None))
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        assert _loop._all_finite(state) is True
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [], f"{len(compiles)} compilation(s) in one check"
+    for bad in (np.inf, -np.inf, np.nan):
+        for dtype in (np.float32, ml_dtypes.bfloat16, np.float16):
+            leaf = np.ones((3, 4), dtype)
+            leaf[2, 1] = bad
+            tree = {**state, "params": {**state["params"], "x": jax.device_put(leaf, state["params"]["w"].sharding)}}
+            assert _loop._all_finite(tree) is False, (bad, dtype)
+    assert _loop._all_finite({"n": jnp.int32(2**31 - 1), "w": np.zeros(2, np.float32)}) is True

@@ -761,16 +761,23 @@ def _check_finite(losses: list[float], gstep: int, mngr, cfg: TrainConfig) -> No
             raise _diverged(f"the loss became {loss}", gstep - len(losses) + i + 1, mngr, cfg)
 
 
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+def _all_finite(tree) -> bool:
+    """Whether every floating leaf of `tree` is finite, read on the host from this process's
+    first copy of each (the weights are replicated: every device holds the same values). As a
+    jitted reduction over the ~100-300 leaves it compiled for 1-2 s at a run's first checkpoint,
+    in every process; the host reads ~0.1 GB for ResNet-50, which a checkpoint copies anyway."""
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            local = x.addressable_data(0) if isinstance(x, jax.Array) else x
+            if not np.isfinite(np.asarray(local)).all():
+                return False
+    return True
 
 
 def _check_weights_finite(state, gstep: int, mngr, cfg: TrainConfig) -> None:
     """Stop when the weights are no longer finite (a finite loss can still be followed by an
     update that overflows)."""
-    if not bool(_all_finite(state.variables)):
+    if not _all_finite(state.variables):
         raise _diverged("the weights became non-finite", gstep, mngr, cfg)
 
 
