@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from jaxport._errors import CheckpointError, ConfigError
-from jaxport.train import TrainConfig, _data, train
+from jaxport.train import TrainConfig, _data, _loop, train
 from tests.helpers import write_images
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,7 +149,7 @@ def test_a_workdir_with_an_earlier_runs_files_is_left_alone(tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_refuses_another_model_or_class_set_before_restoring(tmp_path):
+def test_resume_refuses_another_model_or_class_set_before_restoring(tmp_path, monkeypatch):
     """Another --arch or class count failed inside orbax ("tree structures do not match"),
     advising to delete the good checkpoint, with asyncio tracebacks; other class names with the
     same count resumed silently. A metrics.jsonl row without "epoch" was a KeyError."""
@@ -174,6 +174,8 @@ def test_resume_refuses_another_model_or_class_set_before_restoring(tmp_path):
                       "[a, b, c]; this run asks for resnet34 on 3 classes [a, b, c]; use the same --arch and --data, "
                       "or a new --workdir"], out.stderr
 
+    # Refused before the model is built: its initialisation compiled for seconds, to no use.
+    monkeypatch.setattr(_loop, "build", lambda *a, **k: pytest.fail("the model was built before the refusal"))
     other = _folder(tmp_path / "other", classes=("x", "y", "z"))
     with pytest.raises(ConfigError, match=r"trained as resnet18 on 3 classes \[a, b, c\]; this run asks for "
                                           r"resnet18 on 3 classes \[x, y, z\]"):
@@ -181,6 +183,9 @@ def test_resume_refuses_another_model_or_class_set_before_restoring(tmp_path):
     four = _folder(tmp_path / "four", classes=("a", "b", "c", "d"))
     with pytest.raises(ConfigError, match=r"this run asks for resnet18 on 4 classes \[a, b, c, d\]"):
         train(_cfg(work, four, resume=True, max_steps=2))
+    with pytest.raises(ConfigError, match=r"`--seed` \(=5\) differs from the checkpoint's \(0\)"):
+        train(_cfg(work, data, resume=True, max_steps=2, seed=5))
+    monkeypatch.undo()
     assert sorted(os.listdir(work / "checkpoints")) == ["1"]
 
     metrics = work / "metrics.jsonl"
