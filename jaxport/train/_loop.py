@@ -289,7 +289,7 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
                           "its epochs, data order and held-out split would no longer be that run's: restore the "
                           "data, or start a new --workdir (--init it from this one to keep its weights)")
     for key in ("seed", "batch_size", "image_size"):
-        if key in meta and saved.get(key) != meta[key]:  # the early check knows no --batch-size auto yet
+        if key in meta and saved.get(key) != meta[key]:  # (the early check has no batch size under auto)
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"--resume: `{flag}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}) "
                               f"in {workdir}; use {flag} {saved.get(key)} to continue that run")
@@ -310,12 +310,16 @@ def _check_resumable_early(cfg: TrainConfig, data, files) -> None:
     except (OSError, ValueError):
         return
     if isinstance(saved, dict):
-        meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
-                "image_size": cfg.image_size,
-                "data": {"train": data.train.num_examples, "val": data.val.num_examples, "files": files}}
-        if cfg.batch_size != "auto":
-            meta["batch_size"] = cfg.batch_size
-        _check_resumable(saved, meta, cfg.workdir)
+        batch = {} if cfg.batch_size == "auto" else {"batch_size": cfg.batch_size}  # auto: not known yet
+        _check_resumable(saved, _run_meta(cfg, data, files) | batch, cfg.workdir)
+
+
+def _run_meta(cfg: TrainConfig, data, files) -> dict:
+    """What every checkpoint records of the run that wrote it, for --resume to compare
+    (`_check_resumable`) and `jaxport export` to read (the arch)."""
+    return {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
+            "image_size": cfg.image_size,
+            "data": {"train": data.train.num_examples, "val": data.val.num_examples, "files": files}}
 
 
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
@@ -609,11 +613,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
     if lead:  # what a SIGKILL during an earlier run's metrics, plot or variables write left
         remove_temporaries(cfg.workdir, OUTPUTS)
-    meta = {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
-            "batch_size": batch, "image_size": cfg.image_size, "epoch_sums": [0.0, 0.0, 0.0],
-            "data": {"train": data.train.num_examples, "val": data.val.num_examples,
-                     "files": files},
-            "settings": {k: getattr(cfg, k) for k in _RESUMABLE} | {"num_devices": n_dev}}
+    meta = _run_meta(cfg, data, files) | {
+        "batch_size": batch, "epoch_sums": [0.0, 0.0, 0.0],
+        "settings": {k: getattr(cfg, k) for k in _RESUMABLE} | {"num_devices": n_dev}}
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
     result: dict = {}
     bar = None
