@@ -122,9 +122,9 @@ def _curves(n):
 
 @pytest.mark.parametrize("lo, hi", [(1, 256), (2, 256), (2, 179), (1, 12), (3, 40), (2, 2)])
 def test_the_batch_search_is_exact_and_asks_few_sizes(lo, hi):
-    """The largest fitting size for any growing figure, asking about twice log2 of the sizes at
-    most: each one asked is a compilation of seconds."""
-    sizes = [b for b in range(lo, hi + 1) if b < 16 or b % 8 == 0 or b == hi]
+    """The largest fitting size for any growing figure, asking at most 3 log2 of the sizes + 2:
+    each one asked is a compilation of seconds."""
+    sizes = _memory.candidate_sizes(lo, hi)
     bound = 3 * math.ceil(math.log2(len(sizes))) + 2 if len(sizes) > 1 else 1
     for name, curve in _curves(hi).items():
         for limit in np.unique(np.linspace(curve[lo], curve[hi] * 1.01, 40).astype(int)):
@@ -147,7 +147,7 @@ def test_batch_size_auto_compiles_few_sizes_where_memory_is_flat_then_steep(monk
         return int(curve[b])
 
     monkeypatch.setattr(_memory, "step_bytes", step_bytes)
-    sizes = [b for b in range(2, 257) if b < 16 or b % 8 == 0]
+    sizes = _memory.candidate_sizes(2, 256)
     for want, bigger in zip(sizes[1:], sizes[2:]):  # (2 needs what 3 needs)
         asked.clear()
         limit = int(curve[want] + curve[bigger]) // 2

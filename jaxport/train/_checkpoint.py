@@ -13,6 +13,7 @@ and the seed are the whole RNG state.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -178,6 +179,17 @@ def _reads(mngr: ocp.CheckpointManager, step: int) -> bool:
 
 def _where(mngr: ocp.CheckpointManager) -> str:
     return mngr.directory.as_posix() if hasattr(mngr.directory, "as_posix") else str(mngr.directory)
+
+
+def peek_meta(workdir: str, step: int) -> dict | None:
+    """The `meta` item of checkpoint `step` read straight from its file, without a manager
+    (creating one is a barrier across processes); None where it cannot be read."""
+    try:
+        with open(os.path.join(checkpoint_dir(workdir), str(step), "meta", "metadata")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def latest_meta(mngr: ocp.CheckpointManager) -> dict | None:

@@ -302,14 +302,8 @@ def _check_resumable_early(cfg: TrainConfig, data, files) -> None:
     read directly, since creating a checkpoint manager is a barrier across processes; what
     cannot be read here is left to the check before restoring, which reports it."""
     step = _latest_step(cfg.workdir)
-    if step is None:
-        return
-    try:
-        with open(os.path.join(_checkpoint.checkpoint_dir(cfg.workdir), str(step), "meta", "metadata")) as f:
-            saved = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(saved, dict):
+    saved = None if step is None else _checkpoint.peek_meta(cfg.workdir, step)
+    if saved is not None:
         batch = {} if cfg.batch_size == "auto" else {"batch_size": cfg.batch_size}  # auto: not known yet
         _check_resumable(saved, _run_meta(cfg, data, files) | batch, cfg.workdir)
 

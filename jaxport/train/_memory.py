@@ -61,7 +61,7 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
       OutOfMemoryError: not even `min_per_device` images per device fit.
     """
     lo, hi = min_per_device, max(min_per_device, max_per_device)
-    sizes = [b for b in range(lo, hi + 1) if b < 16 or b % 8 == 0 or b == hi]
+    sizes = candidate_sizes(lo, hi)
     known: dict[int, int] = {}
 
     def need(b: int) -> int:  # a compilation takes seconds: each size once
@@ -78,6 +78,11 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
     log(f"--batch-size auto: {b} per device{capped} ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
         "from XLA's memory analysis)")
     return b
+
+
+def candidate_sizes(lo: int, hi: int) -> list[int]:
+    """The per-device batches `--batch-size auto` considers: `lo`..15, multiples of 8, and `hi`."""
+    return [b for b in range(lo, hi + 1) if b < 16 or b % 8 == 0 or b == hi]
 
 
 def _largest_fitting(need: Callable[[int], int], sizes: list[int], limit: int) -> int | None:
