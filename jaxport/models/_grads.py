@@ -238,9 +238,10 @@ def small_map_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: int, d
     XLA:CPU's convolution runs those 10-60x slower than the same products as a dot: a 3x3 conv
     of (64, 2, 2, 256) took 68 ms forward and 128 ms with its gradients, against 1.4 and 3.6 ms
     here (`jaxport train`'s default ResNet-18 at 32 px spent ~90% of its step there). jax's
-    own rules differentiate it (slices, pads and dots), in both modes. At 4x4 outputs and
-    above XLA's convolution is as fast or faster (ResNet-50's 3x3 convs, 2026-12-03: 4x4x512
-    forward 9.3 against 9.2 ms, 7x7x512 41 against 62 ms), so `small_map` stops at 9 positions.
+    own rules differentiate it (slices, pads and dots), in both modes. At 4x4 outputs the two
+    are within ~15% (2026-12-03, batch 16, 4x4x512: forward 9.3 ms as XLA's convolution, 9.2
+    here; with both gradients 22.6 and 19.0) and at 7x7 XLA's convolution is clearly faster
+    (40.7 against 61.6 ms), so `small_map` still stops at 9 positions.
     """
     n = x.shape[0]
     kh, kw, cg, o = kernel.shape
@@ -248,17 +249,18 @@ def small_map_conv(x: jax.Array, kernel: jax.Array, stride: int, padding: int, d
     # Taps that read only padding at every output position add exact zeros: they are left
     # out of both operands (a 3x3 conv on a 1x1 map reads one tap of nine; 9x less kernel to
     # read, and its gradient there stays exactly zero, as torch's).
-    rows = _live_taps(kh, x.shape[1], oh, stride, padding, dilation)
-    cols_ = _live_taps(kw, x.shape[2], ow, stride, padding, dilation)
+    live_h = _live_taps(kh, x.shape[1], oh, stride, padding, dilation)
+    live_w = _live_taps(kw, x.shape[2], ow, stride, padding, dilation)
     xp = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
     views = _window_views(xp, (kh, kw), stride, (oh, ow), dilation)
-    taps = len(rows) * len(cols_)
-    cols = jnp.stack([views[i * kw + j] for i in rows for j in cols_], axis=3)  # (i, j, c): the kernel's HWI order
-    k = _take(_take(kernel, rows, 0), cols_, 1)
+    taps = len(live_h) * len(live_w)
+    cols = jnp.stack([views[i * kw + j] for i in live_h for j in live_w], axis=3)  # (i, j, c): the kernel's HWI order
+    k = _take(_take(kernel, live_h, 0), live_w, 1)
     if groups == 1:
         # One 2-D dot of two contiguous views. As an einsum with a unit group axis XLA:CPU
         # treated the groups as a batch axis and transposed the whole kernel into (O, 9C)
-        # before every use: ~10 ms per 512x512 kernel, most of ResNet-18's step at 32 px.
+        # before every use: 6-10 ms per 512x512 kernel, 65 of the 179 ms of ResNet-18's
+        # training step at 32 px.
         y = cols.reshape(n * oh * ow, taps * cg) @ k.reshape(taps * cg, o)
         return y.reshape(n, oh, ow, o)
     y = jnp.einsum("ptgc,tcgo->pgo", cols.reshape(n * oh * ow, taps, groups, cg),
@@ -281,7 +283,7 @@ def _take(a: jax.Array, idx: list[int], axis: int) -> jax.Array:
 
 def small_map(x_shape: tuple[int, ...], kernel: int, stride: int, padding: int, dilation: int = 1) -> bool:
     """Whether a conv's output has at most 9 positions: `small_map_conv` is faster there on XLA:CPU
-    (measured: 2x2, 2x4 and 3x3 outputs faster, 4x4 as fast or slower)."""
+    (measured: 2x2, 2x4 and 3x3 outputs faster; 4x4 within ~15% either way; 7x7 slower)."""
     oh, ow = _out_hw(x_shape, kernel, stride, padding, dilation)
     return oh * ow <= 9
 
