@@ -341,8 +341,10 @@ def test_small_map_conv_reads_the_kernel_in_place(h, stride):
     from jaxport import compiler_options
     from jaxport.models._grads import small_map_conv
 
-    x = jax.ShapeDtypeStruct((8, h, h, 64), jnp.float32)
-    kernel = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32)
+    # Placed on a CPU device: the model takes this path on XLA:CPU only, whatever the default backend.
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    x = jax.ShapeDtypeStruct((8, h, h, 64), jnp.float32, sharding=cpu)
+    kernel = jax.ShapeDtypeStruct((3, 3, 64, 64), jnp.float32, sharding=cpu)
     compiled = jax.jit(lambda a, b: small_map_conv(a, b, stride, 1),
                        compiler_options=compiler_options()).lower(x, kernel).compile()
     assert "transpose(" not in compiled.as_text()
