@@ -13,6 +13,8 @@ import os
 import shlex
 import signal
 import sys
+import _thread
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -59,6 +61,13 @@ def _load_checkpoint(path: str, args):
                   + (f" ({describe_keys(dropped)})" if dropped else ""))
         state_dict = kept
     return state_dict
+
+
+def _shell_path(path: str | os.PathLike) -> str:
+    """`path` as one shell word that a command line reads as a path: quoted where needed, and a
+    relative path starting with '-' as './-x' (quoting alone leaves it an option)."""
+    text = str(path)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
 def _loading_flags(args) -> str:
@@ -240,7 +249,7 @@ def _cmd_port(args) -> int:
             as_ported = torch_compat.cast_floating(state_dict, dtype)
             ok = _print_reports(torch_compat.cross_check(as_ported, variables, arch=detected))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
-          if args.verify else f"next: jaxport verify {shlex.quote(str(ckpt))} {shlex.quote(str(out))}"
+          if args.verify else f"next: jaxport verify {_shell_path(ckpt)} {_shell_path(out)}"
                               f"{_loading_flags(args)}")
     return 0 if ok else EXIT_MISMATCH
 
@@ -519,26 +528,50 @@ def _drop_closed_loop_callbacks(hook=sys.unraisablehook):
     def unraisable(u):
         if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
             return
+        if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
+            # Ctrl-C (or SIGTERM, raised as `Terminated`) landed in a callback Python cannot
+            # raise from, e.g. jax's garbage-collection hook while torch is imported: Python
+            # printed a traceback and carried on, and the command finished with status 0.
+            # Deliver the signal again, from another thread a moment later: raised in this hook,
+            # it would be lost too. Should it land in a callback again, it comes back here.
+            redeliver = threading.Timer(0.01, _thread.interrupt_main, (getattr(u.exc_value, "signum", signal.SIGINT),))
+            redeliver.daemon = True
+            redeliver.start()
+            return
         hook(u)
 
     return unraisable
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt as e:  # while jax or torch is imported, before a command runs
+        return _interrupted(e)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     warnings.showwarning = _one_line_warnings
     sys.unraisablehook = _drop_closed_loop_callbacks()
-    stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
     from ._io import sigterm_as_interrupt
 
+    stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
     try:
         # SIGTERM as Ctrl-C: one line and status 143 instead of a silent death (rc -15) whenever
-        # it arrives outside the blocks that handle it themselves (writes, `train`'s loop).
+        # it arrives outside the blocks that handle it themselves (writes, `train`'s loop). It is
+        # in place before the parser is built, which imports jax (a second or so).
         with sigterm_as_interrupt():
+            args = build_parser().parse_args(argv)
             return _run(args)
     finally:
         sys.stdout = stdout
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    """Ctrl-C, or SIGTERM (`jaxport._io.Terminated`, `train`'s `Interrupted`): one line, 128 + signal."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    print(f"jaxport: interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
+    return 128 + signum
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -548,9 +581,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"jaxport: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM during a write (`jaxport._io.Terminated`)
-        signum = getattr(e, "signum", signal.SIGINT)
-        print(f"jaxport: interrupted{f': {e}' if str(e) else ''}", file=sys.stderr)
-        return 128 + signum
+        return _interrupted(e)
     except OSError as e:  # the machine, not jaxport: a full disk, a read-only or forbidden path
         where = f": '{e.filename}'" if e.filename else ""
         print(f"jaxport: error: {e.strerror or e}{where}", file=sys.stderr)

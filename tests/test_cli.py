@@ -244,15 +244,18 @@ def test_a_reader_that_stops_early_does_not_stop_the_port(tmp_path, resnet18_che
     np.testing.assert_array_equal(np.asarray(variables["params"]["conv1"]["kernel"]), want)
 
 
-def test_the_suggested_next_command_runs_as_printed(tmp_path, resnet18_checkpoint, capsys, monkeypatch):
-    """The `next:` line is copied into a shell: paths with spaces must come out quoted."""
+@pytest.mark.parametrize("name, shown", [("my run", "'my run"), ("-run", "./-run")])
+def test_the_suggested_next_command_runs_as_printed(tmp_path, resnet18_checkpoint, capsys, monkeypatch, name, shown):
+    """The `next:` line is copied into a shell: paths with spaces must come out quoted, and one
+    starting with '-' as './-run' (quoted, it would still be read as an option)."""
     import shlex
 
     monkeypatch.chdir(tmp_path)
-    shutil.copy(resnet18_checkpoint, tmp_path / "my run.pth")
-    assert main(["port", "my run.pth"]) == 0
+    shutil.copy(resnet18_checkpoint, tmp_path / f"{name}.pth")
+    assert main(["port", "--", f"{name}.pth"]) == 0
     (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("next: ")]
-    assert line == "next: jaxport verify 'my run.pth' 'my run.safetensors'"
+    close = "'" if shown.startswith("'") else ""
+    assert line == f"next: jaxport verify {shown}.pth{close} {shown}.safetensors{close}"
     command = shlex.split(line.removeprefix("next: "))
     assert command[0] == "jaxport" and main(command[1:] + ["--mode", "eval"]) == 0
 

@@ -13,3 +13,32 @@ def test_jax_side_does_not_import_torch():
             "assert not bad, bad\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_cli_entry_point_imports_no_jax():
+    """The console script imports `jaxport._cli` first: it must load no jax (a second or more), so
+    that its Ctrl-C/SIGTERM handling is in place before that time (see test_cli_signals.py)."""
+    code = ("import sys, jaxport._cli\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch'))\n"
+            "assert not bad, bad[:10]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_every_public_name_of_jaxport_resolves():
+    """`jaxport`'s names load on first use; each one named in `__all__` must arrive."""
+    import jaxport
+
+    assert sorted(jaxport.__all__) == sorted(jaxport._LAZY)
+    for name in jaxport.__all__:
+        assert getattr(jaxport, name) is not None
+    from jaxport import ConfigError, ops
+
+    assert issubclass(ConfigError, jaxport.JaxportError) and callable(ops.rank)
+    assert "models" in dir(jaxport)
+    try:
+        jaxport.no_such_name
+    except AttributeError as e:
+        assert "no_such_name" in str(e)
+    else:
+        raise AssertionError("jaxport.no_such_name resolved")
