@@ -279,3 +279,31 @@ def test_a_class_folder_that_only_links_to_another_class_is_named_as_such(tmp_pa
     (root / "bird").mkdir()
     with pytest.raises(ConfigError, match=r"class folder\(s\) 'bird' hold no readable images \(\.jpg"):
         _quiet(_data._scan, str(root), "--data")
+
+
+@pytest.mark.parametrize("splits", [("training", "validation"), ("Train", "Val"), ("train_set", "Test")])
+def test_split_named_folders_are_not_taken_for_two_classes(tmp_path, splits):
+    """`training/` + `validation/` (or `Train/` + `Val/`) trained silently on two classes, named
+    after the splits, with the real classes (the folders inside) lost."""
+    for split in splits:
+        for c in ("cat", "dog"):
+            _images(tmp_path / split / c, 3, size=(4, 4))
+    if splits[0] == "train_set":  # one split-like name is not a split layout: two classes
+        data = _quiet(_data.image_folder, str(tmp_path), image_size=16, workers=0)
+        assert data.classes == sorted(splits)
+        return
+    with pytest.raises(ConfigError, match=rf"holds split folders \({splits[0]}/, {splits[1]}/\).*train/ and val/"):
+        _data.image_folder(str(tmp_path), workers=0)
+
+
+def test_a_class_named_train_is_a_class(tmp_path):
+    """bus/, car/, train/ (a vehicle set): train/ was taken for a split without val/, and the way
+    out the error named (--data DIR/train) held no class folders."""
+    for c in ("bus", "car", "train"):
+        _images(tmp_path / c, 10, size=(4, 4))
+    data = _quiet(_data.image_folder, str(tmp_path), image_size=16, workers=0)
+    assert data.classes == ["bus", "car", "train"]
+    assert (data.train.num_examples, data.val.num_examples) == (27, 3)
+    _images(tmp_path / "train" / "nested", 2, size=(4, 4))  # with a sub-folder it is a split again
+    with pytest.raises(ConfigError, match="has a train/ split folder but no val/"):
+        _data.image_folder(str(tmp_path), workers=0)

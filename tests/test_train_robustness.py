@@ -27,7 +27,7 @@ def _folder(root, classes=("a", "b"), per_class=10):
 
 
 def _cfg(workdir, data, **kw):
-    return TrainConfig(**{**dict(workdir=str(workdir), data=str(data), image_size=16, batch_size=4, epochs=1,
+    return TrainConfig(**{**dict(workdir=str(workdir), data=None if data is None else str(data), image_size=16, batch_size=4, epochs=1,
                                  max_steps=1, workers=0, progress=False, devices=1), **kw})
 
 
@@ -237,3 +237,23 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path):
     assert proc.stderr.splitlines()[-1] == "jaxport: interrupted: SIGTERM", proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (workdir / "checkpoints").exists()
+
+
+def test_a_workdir_inside_the_data_is_refused_before_anything_is_written(tmp_path):
+    """A workdir inside --data: its plot (a real PNG) and checkpoints became a class 'run' of the
+    next run, and --resume was refused for a class set that changed under it."""
+    data = _folder(tmp_path / "data")
+    for work in (data / "run", data / "a" / "run", data):
+        with pytest.raises(ConfigError, match=rf"`--workdir` \(={work}\) is inside `--data` \(={data}\).*outside"):
+            train(_cfg(work, data))
+    assert sorted(os.listdir(data)) == ["a", "b"] and not (data / "a" / "run").exists()
+
+
+def test_flags_that_change_nothing_say_so(tmp_path):
+    """--workers without --data and --trusted without --init were accepted without a word."""
+    said = []
+    # devices=64 stops the run right after the notes, before any data or model is built.
+    with pytest.raises(ConfigError, match="`devices` \\(=64\\) is more than"):
+        train(_cfg(tmp_path / "w", None, workers=2, trusted=True, devices=64), log=said.append)
+    assert said == ["--workers 2 is not used (the embedded digits are held in memory; it sets --data's loader "
+                    "processes)", "--trusted is not used (it allows a full unpickle of --init, and there is none)"]

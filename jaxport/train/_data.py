@@ -219,7 +219,7 @@ def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], lis
         raise ConfigError(f"`{name}` (={root}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder of images per class)")
     seen = set() if seen is None else seen
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    classes = sorted(_subfolders(root))
     class_dirs = [os.path.realpath(os.path.join(root, c)) for c in classes]
     blocked = {os.path.realpath(root), *class_dirs}  # never entered through a link from a class folder
     candidates = [(path, label) for label, (cls, real) in enumerate(zip(classes, class_dirs))
@@ -487,6 +487,15 @@ def _torch_split(samples, transform, seed, workers) -> Split:
     return Split(len(samples), load, stream)
 
 
+# Folder names that mean a split, not a class (any case).
+_SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "eval"})
+
+
+def _subfolders(root: str) -> list[str]:
+    """The folders `_scan` would take as classes (hidden ones are not)."""
+    return [e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
+
+
 def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: float = 0.1,
                  workers: int | None = None) -> Data:
     """A torchvision ImageFolder directory with the ImageNet recipe.
@@ -495,8 +504,9 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     `Resize(round(image_size * 256 / 224))`, `CenterCrop(image_size)`; both then `ToTensor()`
     and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. A `root` with a
     `train/` sub-folder is split torchvision's way: `train/` and the held-out `val/` (or
-    `validation/` or `valid/`), each with one sub-folder per class; otherwise the sub-folders
-    are the classes and a fixed stratified `val_fraction` of the images is held out (rounded
+    `validation/` or `valid/`), each with one sub-folder per class (a `train/` holding images
+    and no sub-folders, with no held-out folder beside it, is a class like any other); otherwise
+    the sub-folders are the classes and a fixed stratified `val_fraction` of the images is held out (rounded
     per class, never a class's last image). Folders named `.*` (`.ipynb_checkpoints`) are not
     classes, where torchvision's ImageFolder makes them one. Images whose header cannot be read
     (or, for PNG, whose chunks fail Pillow's `verify` and that do not decode) are skipped
@@ -507,7 +517,9 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
 
     Raises:
       ConfigError: a missing or empty directory, a class folder without images, a single class,
-        or a `train/` folder without exactly one of `val/`, `validation/`, `valid/` beside it.
+        a `train/` folder without exactly one of `val/`, `validation/`, `valid/` beside it, or
+        only split-named folders otherwise (`Train/` + `Val/`, `training/` + `validation/`),
+        which would have been taken as two classes.
         Loading an image that fails to decode past its header, or that can no longer be read,
         raises it too, naming the file.
     """
@@ -519,7 +531,11 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     workers = min(4, usable_cpus()) if workers is None else workers
 
     train_dir = os.path.join(root, "train")
-    if os.path.isdir(train_dir):
+    if os.path.isdir(train_dir) and not any(os.path.isdir(os.path.join(root, n)) for n in VAL_NAMES) \
+            and not _subfolders(train_dir):
+        # A class named "train" (bus/, car/, train/), not a split: train/ holds images, no classes.
+        train_dir = None
+    if train_dir is not None and os.path.isdir(train_dir):
         held_out = [n for n in VAL_NAMES if os.path.isdir(os.path.join(root, n))]
         if not held_out:
             raise ConfigError(f"`--data` (={root}) has a train/ split folder but no val/ (nor validation/, valid/) "
@@ -540,6 +556,14 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
                               f"{', '.join(only_val) or 'none'}); give both the same class sub-folders")
         skipped += vskipped
     else:
+        splits = sorted(n for n in _subfolders(root) if n.casefold() in _SPLIT_NAMES)
+        if len(splits) >= 2 and len(splits) == len(_subfolders(root)):
+            # Train/ + Val/, training/ + validation/: taken as two classes, the split's name
+            # became every image's label and the real classes (nested folders) were lost.
+            raise ConfigError(f"`--data` (={root}) holds split folders ({', '.join(n + '/' for n in splits)}), not "
+                              "class folders; jaxport reads the splits from train/ and val/ (or validation/, "
+                              "valid/), each with one sub-folder per class: rename them so, or pass the training "
+                              "split's folder alone to hold out part of it")
         classes, samples, skipped = _scan(root, "--data")
         labels = np.array([y for _, y in samples])
         rng = np.random.default_rng(1234)

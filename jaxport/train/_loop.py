@@ -133,6 +133,15 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.data is not None and not os.path.isdir(cfg.data):
         raise ConfigError(f"`--data` (={cfg.data}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder per class) or leave --data out to train on the embedded digits")
+    if cfg.data is not None:
+        # Its checkpoints and plot would be scanned as images: a class more in every later run
+        # (the plot is a real PNG), and --resume refused for a class set that changed under it.
+        data, work = os.path.realpath(cfg.data), os.path.realpath(cfg.workdir)
+        if work == data or work.startswith(data + os.sep):
+            inside = os.path.relpath(work, data).split(os.sep)[0]
+            raise ConfigError(f"`--workdir` (={cfg.workdir}) is inside `--data` (={cfg.data}), where its checkpoints "
+                              f"and plot would be read as a class '{inside}'; choose a --workdir outside the data "
+                              "directory (nothing was written)")
 
 
 def _shown(value) -> str:
@@ -535,6 +544,12 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     # launch line) would train silently wrong weights or hang in a collective.
     _distributed.check_same_settings(_flags(cfg))
 
+    # Flags that change nothing in this run say so, as --init does when --resume finds a checkpoint.
+    if cfg.workers is not None and cfg.data is None:
+        say(f"--workers {cfg.workers} is not used (the embedded digits are held in memory; it sets --data's "
+            "loader processes)")
+    if cfg.trusted and cfg.init is None:
+        say("--trusted is not used (it allows a full unpickle of --init, and there is none)")
     if cfg.devices and cfg.devices > jax.device_count():  # the slice below would silently take fewer
         raise ConfigError(f"`devices` (={cfg.devices}) is more than the {jax.device_count()} device(s) jax sees; "
                           f"use at most {jax.device_count()}, or None for all of them")
