@@ -495,3 +495,24 @@ def test_an_out_ending_in_a_separator_is_refused(tmp_path, resnet18_checkpoint, 
         _assert_one_line_error(capsys.readouterr().err, f"`--out` (={out}) ends in a path separator",
                                f"e.g. {tmp_path / 'newdir' / 'model.safetensors'}")
         assert not (tmp_path / "newdir").exists()
+
+
+def test_port_refuses_a_checkpoint_damaged_inside_a_tensor(tmp_path, resnet18_checkpoint, capsys):
+    """The CLI checks the zip's CRCs (torch.load does not): 64 zeroed bytes in a weight were
+    ported, and `verify` passed, since both sides read the same damaged weights."""
+    import struct
+    import zipfile
+
+    data = bytearray(resnet18_checkpoint.read_bytes())
+    with zipfile.ZipFile(resnet18_checkpoint) as z:
+        info = max(z.infolist(), key=lambda i: i.compress_size)
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    at = info.header_offset + 30 + name_len + extra_len + 1000
+    data[at:at + 64] = bytes(64)
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(bytes(data))
+    out = tmp_path / "bad.safetensors"
+    assert main(["port", str(bad), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxport: error: checkpoint '{bad}' is corrupt: 1 of its") and info.filename in err, err
+    assert not out.exists()

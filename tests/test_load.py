@@ -703,3 +703,87 @@ def test_a_zip_archive_holding_a_checkpoint_is_named(tmp_path, compression):
     assert "is a zip archive holding ['model/r18.pth'], not a checkpoint; extract the checkpoint from it" in message
     assert "truncated" not in message
     assert_same(load_state_dict(inner), sd)  # a torch.save zip (`r18/data.pkl`, `r18/version`, ...) loads
+
+
+# --- zip checksums, compressed records, pickle protocol 3, cut-short legacy files ---------------
+
+def _zeroed_inside_a_record(src, dst):
+    """`src` with 64 bytes inside its largest tensor record set to zero, as a bad copy leaves it."""
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as z:
+        info = max(z.infolist(), key=lambda i: i.compress_size)
+    name_len, extra_len = struct.unpack_from("<HH", data, info.header_offset + 26)
+    at = info.header_offset + 30 + name_len + extra_len + info.compress_size // 2
+    data[at:at + 64] = bytes(64)
+    dst.write_bytes(bytes(data))
+    return dst, info.filename
+
+
+def _recompressed(src, dst):
+    """`src`'s records deflated, as `zip -r` of an extracted checkpoint writes them."""
+    with zipfile.ZipFile(src) as z, zipfile.ZipFile(dst, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in z.infolist():
+            out.writestr(info.filename, z.read(info))
+    return dst
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_zip_damaged_inside_a_tensor_is_refused_with_check_crc(tmp_path, compressed):
+    """torch.load checks no CRC: 64 zeroed bytes inside a weight loaded, ported and cross-checked
+    as if they were the saved weights."""
+    sd = torchvision.models.resnet18(num_classes=10).state_dict()
+    good = save(sd, tmp_path / "good.pth", "zip")
+    if compressed:
+        good = _recompressed(good, tmp_path / "deflated.pth")
+    bad, record = _zeroed_inside_a_record(good, tmp_path / "bad.pth")
+    assert_same(load_state_dict(good, check_crc=True), sd)
+    for mmap in (False, True):
+        with pytest.raises(CheckpointError) as excinfo:
+            load_state_dict(bad, mmap=mmap, check_crc=True)
+        message = one_line_error(excinfo, bad)
+        records = len(zipfile.ZipFile(bad).infolist())
+        assert f"is corrupt: 1 of its {records} zip records (['{record}'])" in message, message
+        assert "re-download or re-save it" in message
+    if not compressed:  # what torch.load gives without the check: other weights, no error
+        loaded = load_state_dict(bad)
+        assert any(not torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_a_zip_with_compressed_records_loads_memory_mapped_too(tmp_path):
+    """mmap=True (the CLI's) failed on it: 'truncated or corrupt ... storage that is not
+    resizable; re-download it', for a file torch.load reads."""
+    sd = torchvision.models.resnet18(num_classes=10).state_dict()
+    deflated = _recompressed(save(sd, tmp_path / "r18.pth", "zip"), tmp_path / "deflated.pth")
+    assert_same(dict(torch.load(deflated, weights_only=True)), sd)
+    for mmap in (False, True):
+        assert_same(load_state_dict(deflated, mmap=mmap), sd)
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy"])
+def test_pickle_protocol_3_is_named_as_such(tmp_path, fmt):
+    """Protocol 3 pickles bytes (numpy numbers) with SHORT_BINBYTES, which the weights-only loader
+    does not read: the error said 'the file may be corrupt or use pickle protocol 4+'."""
+    import numpy as np
+
+    sd = tiny_net().state_dict()
+    path = tmp_path / f"p3_{fmt}.pth"
+    torch.save({"model": sd, "best_acc1": np.float32(71.5)}, path, pickle_protocol=3,
+               _use_new_zipfile_serialization=fmt == "zip")
+    with pytest.raises(CheckpointError) as excinfo:
+        load_state_dict(path)
+    message = one_line_error(excinfo, path)
+    assert "SHORT_BINBYTES (pickle protocol 3 or later, e.g. torch.save(..., pickle_protocol=3)" in message
+    assert "corrupt" not in message and "4+" not in message and "nothing from the file was run" in message
+    torch.save(sd, path, pickle_protocol=3, _use_new_zipfile_serialization=fmt == "zip")
+    assert_same(load_state_dict(path), sd)  # no bytes in it: protocol 3 is protocol 2
+
+
+@pytest.mark.parametrize("size", [2, 3, 5, 8, 11, 13])
+def test_a_legacy_file_cut_inside_its_magic_number_is_called_truncated(tmp_path, size):
+    """Cut to under 14 bytes it was 'a pickle file ... not a torch.save checkpoint (e.g. written by
+    pickle.dump)'."""
+    full = save(tiny_net().state_dict(), tmp_path / "full.pth", "legacy").read_bytes()
+    cut = _write(tmp_path / "cut.pth", full[:size])
+    with pytest.raises(CheckpointError) as excinfo:
+        load_state_dict(cut)
+    assert "truncated or corrupt" in one_line_error(excinfo, cut)

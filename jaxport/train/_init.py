@@ -49,7 +49,7 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
         import torch_compat
 
         # safe unless trusted: weights-only, wrappers unwrapped; safetensors need no pickle at all
-        state_dict = torch_compat.load_state_dict(path, trusted=trusted)
+        state_dict = torch_compat.load_state_dict(path, trusted=trusted, check_crc=True)
         try:
             found = torch_compat.detect_arch(state_dict)
             # converted only once the arch is right (else the ConfigError below says so)
