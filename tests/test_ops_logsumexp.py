@@ -139,13 +139,19 @@ def test_logsumexp_errors_name_the_argument():
         (lambda: logsumexp(x, axis_name="i"), r"`axis_name` \(='i'\) names no mesh axis here.*shard_map"),
         # lax.pmax/psum read an int as an array axis: axis_name=1 reduced over axis 1 silently.
         (lambda: logsumexp(jnp.zeros((3, 1)), axis=0, axis_name=1), r"`axis_name` \(=1\) must be a mesh axis name"),
-        (lambda: logsumexp([2**40, 1]), r"`a` holds integers too large"),
+        (lambda: logsumexp([2**40, 1]), r"`a` has dtype int64, but jax's 64-bit mode is off, so jax would wrap it"),
         # With x64 off jax rounds float64 to float32: 1e300 became inf (so did the result), and a
         # scale factor of 1e-300 became 0 (dropping its entry). Only such changes are refused.
         (lambda: logsumexp(np.array([1e300, 0.0])), r"`a` has dtype float64.*1 of its 2 values would overflow "
                                                     r"to inf.*scale `a` into float32's range"),
         (lambda: logsumexp(x, b=np.full((2, 3), 1e-300)), r"`b` has dtype float64.*6 of its 6 values would "
                                                          r"overflow to inf or flush to 0"),
+        # The same values as lists or Python floats were narrowed unchecked: inf, and -inf
+        # (the entries dropped) where scipy gives 1e300 and -114.03.
+        (lambda: logsumexp([1e300, 0.0]), r"`a` has dtype float64.*1 of its 2 values would overflow"),
+        (lambda: logsumexp(1e300), r"`a` has dtype float64.*1 of its 1 values would overflow"),
+        (lambda: logsumexp(np.zeros(3, np.float32), b=[1e-50] * 3), r"`b` has dtype float64.*3 of its 3 values "
+                                                                     r"would overflow to inf or flush to 0"),
         # jnp.asarray failed on it with torch's RuntimeError ("Can't call numpy() on Tensor that requires grad").
         (lambda: logsumexp(torch.ones(3, requires_grad=True)), r"`a` is a torch tensor that requires grad.*a.detach\(\)"),
     ]
@@ -219,3 +225,12 @@ def test_float64_within_float32s_range_and_big_endian_input_equal_torch():
     big = x.astype(">f4")
     np.testing.assert_allclose(np.asarray(logsumexp(big, 1)), torch.logsumexp(torch.from_numpy(x.astype(np.float32)), 1),
                                rtol=1e-6)
+
+
+def test_lists_of_python_floats_are_rounded_as_arrays_are():
+    """The narrowing check now reads lists too; ordinary values are only rounded, as before."""
+    values = [0.1, 2.5, -3.25]
+    want = torch.logsumexp(torch.tensor(values, dtype=torch.float32), 0)
+    np.testing.assert_allclose(np.asarray(logsumexp(values)), want.numpy(), rtol=1e-6)
+    want_b = scipy.special.logsumexp(np.float32(values), b=np.float32([0.5, 2.0, 1e-3]))
+    np.testing.assert_allclose(np.asarray(logsumexp(values, b=[0.5, 2.0, 1e-3])), want_b, rtol=1e-6)

@@ -31,7 +31,10 @@ def to_array(x, name: str, *, exact: bool = False, overflow: bool = False, flush
                           f"pass {name}.detach()")
     if isinstance(x, np.ndarray) and not x.dtype.isnative:
         x = x.astype(x.dtype.newbyteorder("="))
-    if not isinstance(x, jax.Array) and not jax.config.jax_enable_x64 and (exact or hasattr(x, "dtype")):
+    if not isinstance(x, jax.Array) and not jax.config.jax_enable_x64 and (exact or overflow or flush
+                                                                          or hasattr(x, "dtype")):
+        # Lists and Python numbers too (float64 to numpy): [1e300, 0.0] or b=[1e-50] were
+        # narrowed to inf or 0 unchecked, where the same values as a numpy array were refused.
         # (Python ints that 32 bits cannot hold need no check: jnp.asarray refuses them, below.)
         _check_narrowing(x, name, floats=("exact",) if exact else
                          tuple(m for m, on in (("overflow", overflow), ("flush", flush)) if on))
