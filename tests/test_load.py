@@ -403,6 +403,11 @@ BROKEN = {
                                                                  bytes(8))),
         r"tensor 'w' claims bytes 0\.\.16 but the data section has 8 bytes",
     ),
+    # safetensors refuses non-string metadata: it was "truncated or corrupt ... re-download it".
+    "safetensors_number_metadata": (
+        lambda d: _write(d / "m.safetensors", _safetensors_bytes({"__metadata__": {"epoch": 3}, **_w()}, bytes(4))),
+        r"its header's __metadata__ maps \['epoch'\] to non-strings \(e.g. 3\).*only string values.*metadata=",
+    ),
     "safetensors_bad_dtype": (
         lambda d: _write(d / "t.safetensors", _safetensors_bytes(_w(dtype="F99"), bytes(4))),
         "truncated or corrupt",
@@ -787,3 +792,17 @@ def test_a_legacy_file_cut_inside_its_magic_number_is_called_truncated(tmp_path,
     with pytest.raises(CheckpointError) as excinfo:
         load_state_dict(cut)
     assert "truncated or corrupt" in one_line_error(excinfo, cut)
+
+
+def test_an_unwritable_cache_for_the_default_checkpoint_names_the_way_out(tmp_path, monkeypatch):
+    """It said only "No such file or directory: '.../resnet50_dataparallel_cuda.pth.tar'"."""
+    from torch_compat import _default
+
+    monkeypatch.setattr(_default, "reference_model", lambda arch, seed: nn.Linear(2, 2))  # the write is tested
+    (tmp_path / "file").write_text("not a directory")
+    monkeypatch.setenv("JAXPORT_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(CheckpointError, match=r"cannot write the embedded default checkpoint to '.*file/cache/resnet50"
+                                              r".*set JAXPORT_CACHE \(or XDG_CACHE_HOME\) to a writable directory"):
+        _default.default_checkpoint()
+    with pytest.raises(CheckpointError, match=r"cannot write the embedded default checkpoint to '.*x.pth' \([^)]*\)$"):
+        _default.default_checkpoint(tmp_path / "file" / "x.pth")

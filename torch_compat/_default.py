@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from jaxport._errors import CheckpointError
 from jaxport._io import atomic_path
 
 from ._cuda_tag import saving_as_cuda
@@ -41,7 +42,8 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
       path: where to keep it; default `cache_dir() / FILENAME`.
       rebuild: build it again even if the file exists.
     """
-    path = Path(path) if path is not None else cache_dir() / FILENAME
+    given = path is not None
+    path = Path(path) if given else cache_dir() / FILENAME
     if path.exists() and not rebuild:
         return path
     model = reference_model(ARCH, seed=SEED)
@@ -54,6 +56,14 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
         "best_acc1": torch.tensor(76.13),
         "optimizer": optimizer.state_dict(),
     }
-    with atomic_path(path) as tmp, saving_as_cuda("cuda:0"):
-        torch.save(checkpoint, tmp)
+    try:
+        with atomic_path(path) as tmp, saving_as_cuda("cuda:0"):
+            torch.save(checkpoint, tmp)
+    except OSError as e:
+        # It was "No such file or directory: '/x/resnet50_...'", naming neither the cache nor the
+        # way to move it (a read-only or missing HOME is the usual cause).
+        where = ("" if given else "; it is built once and kept in jaxport's cache: set JAXPORT_CACHE (or "
+                 "XDG_CACHE_HOME) to a writable directory, or pass a checkpoint to port")
+        raise CheckpointError(f"cannot write the embedded default checkpoint to '{path}' "
+                              f"({e.strerror or e}){where}") from e
     return path
