@@ -140,3 +140,18 @@ def test_logsumexp_eager_under_set_mesh_on_an_explicit_mesh_equals_torch(mesh, s
     with jax.set_mesh(explicit):
         out = logsumexp(jax.device_put(x, NamedSharding(explicit, SPLITS[split])), 1)
     np.testing.assert_allclose(np.asarray(out), torch.logsumexp(torch.from_numpy(x), 1).numpy(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+def test_per_row_k_split_over_rows_of_a_replicated_x_on_an_explicit_mesh(mesh, method):
+    # The bisection's threshold was built from x alone (replicated) and compared with k (split
+    # over rows): "select 'which' must be scalar or have the same sharding as cases", under
+    # jit, and eager with method="xla".
+    explicit = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=mesh.devices.ravel())
+    x = tricky((16, 96), "float32", seed=13)
+    k = np.random.default_rng(13).integers(-2, 100, 16).astype(np.int32)
+    xs = jax.device_put(x, NamedSharding(explicit, P()))
+    ks = jax.device_put(k, NamedSharding(explicit, P("d")))
+    want = torch_rank(to_torch(x, "float32"), -1, True) < k[:, None]
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda v, c: topk_mask(v, c, method=method))(xs, ks)), want)
+    np.testing.assert_array_equal(np.asarray(topk_mask(xs, ks, method=method)), want)

@@ -251,7 +251,8 @@ def _select_xla(key: jax.Array, k: jax.Array) -> jax.Array:
     # loop is unrolled, which on CPU avoids a per-iteration cost as large as a pass).
     # Sharded as the batch of `key` is (a replicated t broke `jnp.where` under `jax.set_mesh`
     # with Explicit axes: "select `which` must be scalar or have the same sharding as cases").
-    t = jnp.zeros_like(key[..., 0])
+    # And as `k` is: a per-row k split over the rows of a replicated key failed the same way.
+    t = jnp.zeros_like(key[..., 0]) | jnp.zeros_like(k, dtype=key.dtype)
     for bit in range(bits - 1, -1, -1):
         c = t | np.array(1 << bit, key.dtype)
         below = jnp.sum((skey < lax.bitcast_convert_type(c ^ sign, sdt)[..., None]).astype(cdt), axis=-1)
