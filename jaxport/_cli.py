@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import math
 import os
 import shlex
@@ -547,25 +548,70 @@ def _drop_closed_loop_callbacks(hook=sys.unraisablehook):
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(argv)
-    except KeyboardInterrupt as e:  # while jax or torch is imported, before a command runs
+    except KeyboardInterrupt as e:  # while jax or torch loaded, before a command ran
         return _interrupted(e)
+
+
+# The commands that import torch (through torch_compat) as they start.
+_TORCH_COMMANDS = ("port", "verify", "export", "env")
 
 
 def _main(argv: Sequence[str] | None) -> int:
     warnings.showwarning = _one_line_warnings
     sys.unraisablehook = _drop_closed_loop_callbacks()
-    from ._io import sigterm_as_interrupt
+    with _signals_held():
+        from ._io import sigterm_as_interrupt
 
+        args = build_parser().parse_args(argv)  # imports jax
+        if getattr(args, "command", None) in _TORCH_COMMANDS:
+            with contextlib.suppress(Exception):  # a broken torch is the command's to report
+                importlib.import_module("torch")
     stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
     try:
         # SIGTERM as Ctrl-C: one line and status 143 instead of a silent death (rc -15) whenever
-        # it arrives outside the blocks that handle it themselves (writes, `train`'s loop). It is
-        # in place before the parser is built, which imports jax (a second or so).
+        # it arrives outside the blocks that handle it themselves (writes, `train`'s loop).
         with sigterm_as_interrupt():
-            args = build_parser().parse_args(argv)
             return _run(args)
     finally:
         sys.stdout = stdout
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then stop the command as usual; a second
+    one stops it at once.
+
+    The block imports jax and torch (a few seconds). A signal raised inside an import left its
+    C extensions half set up, and Python then crashed on the way out (SIGSEGV, status -11 after
+    the one line, 1 run in ~50 under load), where it should end with status 130 or 143.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum, frame):
+        if held:
+            raise _signal_exception(signum)
+        held.append(signum)
+
+    # An ignored signal (nohup, a background job) stays so; one set outside Python (None) too.
+    saved = {s: h for s in (signal.SIGINT, signal.SIGTERM) if (h := signal.getsignal(s)) not in (signal.SIG_IGN, None)}
+    for signum in saved:
+        signal.signal(signum, hold)
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+    if held:
+        raise _signal_exception(held[0])
+
+
+def _signal_exception(signum: int) -> KeyboardInterrupt:
+    from ._io import Terminated
+
+    return Terminated("SIGTERM") if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:

@@ -505,9 +505,9 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. A `root` with a
     `train/` sub-folder is split torchvision's way: `train/` and the held-out `val/` (or
     `validation/` or `valid/`), each with one sub-folder per class (a `train/` holding images
-    and no sub-folders, with no held-out folder beside it, is a class like any other); otherwise
-    the sub-folders are the classes and a fixed stratified `val_fraction` of the images is held out (rounded
-    per class, never a class's last image). Folders named `.*` (`.ipynb_checkpoints`) are not
+    and no sub-folders, with no held-out folder beside it, is a class like any other);
+    otherwise the sub-folders are the classes and a fixed stratified `val_fraction` of the
+    images is held out (rounded per class, never a class's last image). Folders named `.*` (`.ipynb_checkpoints`) are not
     classes, where torchvision's ImageFolder makes them one. Images whose header cannot be read
     (or, for PNG, whose chunks fail Pillow's `verify` and that do not decode) are skipped
     with a warning and counted; symbolic links are followed, and a file reached twice (symbolic or
