@@ -581,9 +581,11 @@ def _signals_held() -> Iterator[None]:
     """Ctrl-C and SIGTERM wait until the block ends, then stop the command as usual; a second
     one stops it at once.
 
-    The block imports jax and torch (a few seconds). A signal raised inside an import left its
-    C extensions half set up, and Python then crashed on the way out (SIGSEGV, status -11 after
-    the one line, 1 run in ~50 under load), where it should end with status 130 or 143.
+    The block imports jax and torch (a few seconds). With the signal raised inside those
+    imports, the process crashed after printing its one line (SIGSEGV, status -11 instead of
+    130 or 143: in one CI run, and 1 run in 20-50 under load, also when it ended with `os._exit`
+    right after the line), most likely in a C extension the cut-short import left half set up.
+    Held until the imports finish: no crash in 25 runs under load.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
