@@ -556,8 +556,9 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
                               f"{', '.join(only_val) or 'none'}); give both the same class sub-folders")
         skipped += vskipped
     else:
-        splits = sorted(n for n in _subfolders(root) if n.casefold() in _SPLIT_NAMES)
-        if len(splits) >= 2 and len(splits) == len(_subfolders(root)):
+        folders = _subfolders(root)
+        splits = sorted(n for n in folders if n.casefold() in _SPLIT_NAMES)
+        if len(splits) >= 2 and len(splits) == len(folders):
             # Train/ + Val/, training/ + validation/: taken as two classes, the split's name
             # became every image's label and the real classes (nested folders) were lost.
             raise ConfigError(f"`--data` (={root}) holds split folders ({', '.join(n + '/' for n in splits)}), not "
