@@ -809,12 +809,13 @@ def _load_safetensors(shown: str) -> dict[str, torch.Tensor]:
     if not isinstance(header, dict):
         raise corrupt(f"its header is a JSON {type(header).__name__}, expected an object")
     meta = header.get("__metadata__")
-    bad_meta = (["(the entry itself)"] if meta is not None and not isinstance(meta, dict) else
-                [k for k, v in (meta or {}).items() if not isinstance(v, str)])
-    if bad_meta:
+    if meta is not None and not isinstance(meta, dict):
+        what = f"is a JSON {type(meta).__name__}"
+    else:
+        bad_meta = [k for k, v in (meta or {}).items() if not isinstance(v, str)]
+        what = bad_meta and f"maps {_short_list(bad_meta, 3)} to non-strings (e.g. {json.dumps(meta[bad_meta[0]])})"
+    if what:
         # safetensors refuses the whole file for it, which read as "truncated or corrupt".
-        what = (f"is a JSON {type(meta).__name__}" if not isinstance(meta, dict) else
-                f"maps {_short_list(bad_meta, 3)} to non-strings (e.g. {json.dumps(meta[bad_meta[0]])})")
         raise CheckpointError(
             f"safetensors checkpoint '{shown}': its header's __metadata__ {what}, where the format allows only "
             "string values, so the safetensors library will not read it (the tensors themselves may be intact); "
