@@ -798,7 +798,9 @@ def test_an_unwritable_cache_for_the_default_checkpoint_names_the_way_out(tmp_pa
     """It said only "No such file or directory: '.../resnet50_dataparallel_cuda.pth.tar'"."""
     from torch_compat import _default
 
-    monkeypatch.setattr(_default, "reference_model", lambda arch, seed: nn.Linear(2, 2))  # the write is tested
+    built = []
+    # The ~2 s build came before the write was tried, so the error waited for it.
+    monkeypatch.setattr(_default, "reference_model", lambda arch, seed: built.append(arch) or nn.Linear(2, 2))
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("JAXPORT_CACHE", str(tmp_path / "file" / "cache"))
     with pytest.raises(CheckpointError, match=r"cannot write the embedded default checkpoint to '.*file/cache/resnet50"
@@ -806,3 +808,4 @@ def test_an_unwritable_cache_for_the_default_checkpoint_names_the_way_out(tmp_pa
         _default.default_checkpoint()
     with pytest.raises(CheckpointError, match=r"cannot write the embedded default checkpoint to '.*x.pth' \([^)]*\)$"):
         _default.default_checkpoint(tmp_path / "file" / "x.pth")
+    assert built == []

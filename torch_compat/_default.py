@@ -46,19 +46,12 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
     path = Path(path) if given else cache_dir() / FILENAME
     if path.exists() and not rebuild:
         return path
-    model = reference_model(ARCH, seed=SEED)
-    wrapped = torch.nn.DataParallel(model)  # on a CPU-only machine it only adds `module.`
-    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    checkpoint = {
-        "epoch": 90,
-        "arch": ARCH,
-        "state_dict": wrapped.state_dict(),
-        "best_acc1": torch.tensor(76.13),
-        "optimizer": optimizer.state_dict(),
-    }
     try:
-        with atomic_path(path) as tmp, saving_as_cuda("cuda:0"):
-            torch.save(checkpoint, tmp)
+        # The temporary file is made before the ~2 s build, so an unwritable cache is said at once.
+        with atomic_path(path) as tmp:
+            checkpoint = _training_script_dict()
+            with saving_as_cuda("cuda:0"):
+                torch.save(checkpoint, tmp)
     except OSError as e:
         # It was "No such file or directory: '/x/resnet50_...'", naming neither the cache nor the
         # way to move it (a read-only or missing HOME is the usual cause).
@@ -67,3 +60,16 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
         raise CheckpointError(f"cannot write the embedded default checkpoint to '{path}' "
                               f"({e.strerror or e}){where}") from e
     return path
+
+
+def _training_script_dict() -> dict:
+    model = reference_model(ARCH, seed=SEED)
+    wrapped = torch.nn.DataParallel(model)  # on a CPU-only machine it only adds `module.`
+    optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    return {
+        "epoch": 90,
+        "arch": ARCH,
+        "state_dict": wrapped.state_dict(),
+        "best_acc1": torch.tensor(76.13),
+        "optimizer": optimizer.state_dict(),
+    }
