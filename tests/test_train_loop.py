@@ -217,12 +217,31 @@ def test_export_of_a_workdir_names_what_can_be_read(tmp_path):
                               env={**os.environ, "PYTHONPATH": root}, timeout=300)
 
     meta = tmp_path / "w" / "checkpoints" / "2" / "meta" / "metadata"
-    record = json.loads(meta.read_text())
+    saved_meta = meta.read_text()
+    record = json.loads(saved_meta)
     del record["arch"]
     meta.write_text(json.dumps(record))
     proc = export(tmp_path / "w")
     assert proc.returncode == 2 and "does not record its architecture; pass --arch" in proc.stderr, proc.stderr
     assert export(tmp_path / "w", "--arch", "resnet18").returncode == 0
+    meta.write_text(saved_meta)
+
+    # One data file cut short (a disk filled mid-copy): orbax failed on one array and left its
+    # other reads pending; each printed tensorstore's whole spec as it was collected (66 to
+    # 2,467 lines after the error), and the error itself ended in orbax's cut-off repr of a
+    # bound method instead of tensorstore's message naming the array.
+    data = max((os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "w" / "checkpoints" / "2" / "state")
+                for f in fs), key=os.path.getsize)
+    with open(data, "r+b") as fh:
+        fh.truncate(1000)
+    resume = subprocess.run([sys.executable, "-m", "jaxport", "train", "--workdir", str(tmp_path / "w"), "--resume",
+                             "--image-size", "16", "--batch-size", "64", "--epochs", "1", "--max-steps", "3",
+                             "--checkpoint-every", "1", "--no-progress"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": root}, timeout=300)
+    for proc in [resume] + [export(tmp_path / "w") for _ in range(3)]:
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+        assert "checkpoint step 2 in" in proc.stderr and 'Error reading "' in proc.stderr, proc.stderr
+        assert "bound method" not in proc.stderr, proc.stderr
 
     for dirpath, _, files in os.walk(tmp_path / "w" / "checkpoints" / "2" / "state"):
         for f in files:

@@ -142,9 +142,20 @@ def _unreadable(mngr: ocp.CheckpointManager, step: int, err: Exception, *,
         fix = (f"no older checkpoint (step {', '.join(map(str, sorted(older)))}) can be read either: delete {path} "
                "and rerun with --resume to train from step 0")
     fix += reading or ""
-    first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(err).__name__}: "
-                           f"{first[:200]}); {fix}")
+    cause = _root_cause(err)
+    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    return CheckpointError(f"checkpoint step {step} in {path} cannot be read ({type(cause).__name__}: "
+                           f"{first[:300]}); {fix}")
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost explicit cause with a message. Orbax wraps a failed array read in "Encountered
+    error while reading array index: (...). See full TensorStore details: <bound method ...", cut
+    at 200 characters mid-repr; tensorstore's own error below it names the array and the file
+    ("OUT_OF_RANGE: Error reading "params.fc.kernel/0" in OCDBT database at ...")."""
+    while err.__cause__ is not None and str(err.__cause__).strip():
+        err = err.__cause__
+    return err
 
 
 def _read_as_saved(mngr: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
