@@ -553,13 +553,49 @@ def _drop_closed_loop_callbacks(hook=sys.unraisablehook):
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        code = _main(argv)
     except KeyboardInterrupt as e:  # while jax or torch loaded, before a command ran
-        return _interrupted(e)
+        code = _interrupted(e)
+    if argv is None and code in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+        _leave_at_once(code)
+    return code
+
+
+def _leave_at_once(code: int) -> None:
+    """Exits an interrupted command line without Python's teardown. A signal that lands while
+    XLA compiles (a ResNet's first step compiles for seconds) stops jax's wait for the compile
+    but not the compile, which goes on in XLA's thread pool; the teardown then destroyed the
+    client under it: SIGSEGV after the "interrupted" line (status 139 instead of 143), every
+    time in a probe. Everything worth keeping is written by now: `train` checkpoints before it
+    raises `Interrupted`, and the writers finish or remove their temporary files as they unwind.
+
+    Not in a multi-process run: there jax's exit barrier tells the other processes this one has
+    gone, and `_distributed` already ends failed runs its own way."""
+    distributed = sys.modules.get("jax._src.distributed")
+    if distributed is not None and getattr(distributed.global_state, "client", None) is not None:
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 # The commands that import torch (through torch_compat) as they start.
 _TORCH_COMMANDS = ("port", "verify", "export", "env")
+# What `train` imports as it reads an image folder (torchvision's transforms, PIL's decoders) or
+# loads --init's checkpoint; imported otherwise only once training starts, outside the hold.
+_DATA_MODULES = ("torch", "torch.utils.data", "torchvision.transforms", "PIL.Image")
+
+
+def _modules_for(args: argparse.Namespace) -> tuple[str, ...]:
+    """The extension-heavy modules the command will import, to import while signals are held."""
+    command = getattr(args, "command", None)
+    if command in _TORCH_COMMANDS:
+        return ("torch",)
+    if command == "train":
+        return (_DATA_MODULES if getattr(args, "data", None) else ()) + (("torch",) if getattr(args, "init", None)
+                                                                         else ())
+    return ()
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -569,9 +605,9 @@ def _main(argv: Sequence[str] | None) -> int:
         from ._io import sigterm_as_interrupt
 
         args = build_parser().parse_args(argv)  # imports jax
-        if getattr(args, "command", None) in _TORCH_COMMANDS:
+        for module in _modules_for(args):
             with contextlib.suppress(Exception):  # a broken torch is the command's to report
-                importlib.import_module("torch")
+                importlib.import_module(module)
     stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
     try:
         # SIGTERM as Ctrl-C: one line and status 143 instead of a silent death (rc -15) whenever

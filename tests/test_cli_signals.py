@@ -74,3 +74,69 @@ def test_a_signal_while_jax_is_imported_gives_one_line(signum, tmp_path):
     assert proc.returncode == 128 + signum, err[-2000:]
     assert err.startswith("jaxport: interrupted") and "Traceback" not in err, err[-2000:]
     assert "jax" not in out  # `env` never ran
+
+
+# The signal lands while XLA compiles train's first big program (seconds): it stops jax's wait
+# for the compile, not the compile, which goes on in XLA's thread pool.
+_DURING_COMPILE = """
+import os, signal, sys, threading
+from jax._src import compiler
+from jaxport import _cli
+
+compile_and_load = compiler.backend_compile_and_load
+
+def compile_and_signal(*args, **kwargs):
+    done = threading.Event()
+    def signal_if_still_compiling():
+        if not done.is_set():
+            os.kill(os.getpid(), {signum})
+    threading.Timer(0.3, signal_if_still_compiling).start()
+    try:
+        return compile_and_load(*args, **kwargs)
+    finally:
+        done.set()
+
+compiler.backend_compile_and_load = compile_and_signal
+sys.argv = ["jaxport", "train", "--workdir", {workdir!r}, "--image-size", "16", "--batch-size", "4",
+            "--epochs", "1", "--max-steps", "1", "--no-progress"]
+sys.exit(_cli.main())
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_xla_compiles_gives_one_line_and_no_crash(signum, tmp_path):
+    """Python's teardown destroyed jax's client under the compile still running: SIGSEGV (status
+    139) after the one line, in every probe run."""
+    code = _DURING_COMPILE.format(signum=int(signum), workdir=str(tmp_path / "w"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 128 + signum, proc.stderr[-2000:]
+    assert proc.stderr.startswith("jaxport: interrupted") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+
+
+_RECORD_HOLD_AT_IMPORT = """
+import signal, sys
+from jaxport import _cli
+
+class Probe:  # reports who handles SIGTERM when {module} is first imported, then stops
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            handler = signal.getsignal(signal.SIGTERM)
+            print(getattr(handler, "__qualname__", repr(handler)))
+            raise SystemExit(0)
+
+sys.meta_path.insert(0, Probe())
+sys.argv = ["jaxport", "train", "--workdir", {workdir!r}, {flag!r}, {value!r}]
+sys.exit(_cli.main())
+"""
+
+
+@pytest.mark.parametrize("flag, module", [("--data", "torchvision"), ("--init", "torch")])
+def test_train_imports_torch_while_signals_are_held(flag, module, tmp_path):
+    """`train --data` imports torchvision and PIL, `--init` torch: like port's torch, while the
+    signals wait (an import cut short by the signal has crashed the process at exit)."""
+    code = _RECORD_HOLD_AT_IMPORT.format(module=module, workdir=str(tmp_path / "w"), flag=flag,
+                                         value=str(tmp_path / "anything"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "_signals_held" in proc.stdout, (proc.stdout, proc.stderr[-2000:])
