@@ -259,3 +259,29 @@ def test_batch_size_auto_takes_the_smallest_process_pick(tmp_path):
     agreed = re.search(r"process 0: --batch-size auto: (\d+) per device, the most every process fits", err0)
     assert agreed and 2 <= int(agreed[1]) < 256, err0
     assert f"global batch {4 * int(agreed[1])} ({agreed[1]} per device)" in err0, err0
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_ends_the_wait_for_the_other_processes(tmp_path, signum):
+    """Process 0 waits in jax's connect (C++, on the main thread) for a process that never comes:
+    Ctrl-C and SIGTERM were ignored until the connect timeout (5 minutes by default)."""
+    proc = subprocess.Popen([sys.executable, "-m", "jaxport", "train", "--workdir", str(tmp_path / "w"), *ARGS,
+                             "--coordinator", f"127.0.0.1:{_free_port()}", "--num-processes", "2",
+                             "--process-id", "0"], env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        said = []
+        for line in proc.stderr:
+            said.append(line)
+            if "other process(es) to join" in line:
+                break
+        time.sleep(1.5)  # into jax's connect
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, "".join(said) + err
+    assert time.monotonic() - t0 < 10
+    assert err.startswith("jaxport: interrupted") and err.count("\n") == 1, err
+    assert "while waiting for the 2 processes to connect to the coordinator at 127.0.0.1:" in err, err

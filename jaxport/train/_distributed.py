@@ -52,6 +52,51 @@ def _give_up(coordinator: str, num_processes: int, timeout_s: float, pending: Ex
     os._exit(EXIT_NOT_CONNECTED)  # jax's connect blocks the main thread in C++: nothing else can stop it
 
 
+@contextlib.contextmanager
+def _signals_end_the_wait(what: str):
+    """Ctrl-C and SIGTERM end the process, with one line and 128 + the signal, while the block
+    waits in C++. jax's connect holds the main thread, where Python runs signal handlers, so a
+    process waiting for the others ignored both until the connect timeout (up to 5 minutes).
+    Python's C-level handler still writes each signal's number to the wakeup fd: a thread reads
+    it. Nothing has been written at this point, so nothing is lost by leaving at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:  # pragma: no cover - not the main interpreter
+        os.close(read_end), os.close(write_end)
+        yield
+        return
+    done = threading.Event()
+
+    def watch():
+        while True:
+            try:
+                got = os.read(read_end, 1)
+            except OSError:
+                return
+            if not got or done.is_set():
+                return
+            if got[0] in (signal.SIGINT, signal.SIGTERM):  # other handled signals go on to Python
+                name = "" if got[0] == signal.SIGINT else f": {signal.Signals(got[0]).name}"
+                print(f"jaxport: interrupted{name} {what}", file=sys.stderr, flush=True)
+                os._exit(128 + got[0])
+
+    watcher = threading.Thread(target=watch, daemon=True, name="jaxport-signal-watch")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        signal.set_wakeup_fd(previous)
+        os.close(write_end)  # the watcher reads end-of-file and returns
+        watcher.join(timeout=1)
+        os.close(read_end)
+
+
 def _check_port_free(coordinator: str, port: int) -> None:
     """Process 0 serves the coordinator on `port`: a port in use was an internal
     "Failed to start RPC server" from jax. (A race with another program remains possible.)"""
@@ -146,9 +191,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         watchdog.daemon = True
         watchdog.start()
         try:
-            jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                       process_id=process_id,
-                                       initialization_timeout=int(connect_timeout_s) + _JAX_TIMEOUT_MARGIN_S)
+            with _signals_end_the_wait(f"while waiting for the {num_processes} processes to connect to the "
+                                       f"coordinator at {coordinator}"):
+                jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                           process_id=process_id,
+                                           initialization_timeout=int(connect_timeout_s) + _JAX_TIMEOUT_MARGIN_S)
         finally:
             watchdog.cancel()
         return True
