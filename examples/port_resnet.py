@@ -1,6 +1,7 @@
 """Port a torchvision ResNet checkpoint to Flax, compare logits with torch, make a prediction.
 
     python examples/port_resnet.py [CHECKPOINT] [--out resnet.safetensors] [--prefix encoder_q]
+        [--backbone-only]
 
 With no CHECKPOINT it uses jaxport's embedded default (a ResNet-50 saved like a GPU
 DataParallel training run). No pretrained weights can be downloaded here, so the default's
@@ -39,6 +40,10 @@ def main() -> int:
     parser.add_argument("--prefix", default=None,
                         help="the ResNet is stored inside a bigger model under this key prefix (MoCo's encoder_q); "
                              "the loading errors name it when they see one")
+    parser.add_argument("--backbone-only", action="store_true",
+                        help="keep conv1, bn1 and layer1..4 only, dropping any other head (MoCo's MLP fc): the "
+                             "conversion errors say when it is needed; the backbone is ported, then checked with "
+                             "`jaxport verify` (this example compares class predictions)")
     args = parser.parse_args()
     path = args.checkpoint or torch_compat.default_checkpoint()
     # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
@@ -53,6 +58,8 @@ def main() -> int:
 
     # 1. Load safely (weights-only unpickler; `module.`/`_orig_mod.` stripped) and convert.
     state_dict = torch_compat.load_state_dict(path, prefix=args.prefix)
+    if args.backbone_only:
+        state_dict = torch_compat.backbone_state_dict(state_dict)
     arch = torch_compat.detect_arch(state_dict)
     variables = torch_compat.torch_to_flax(state_dict, arch)
     jaxport.save_variables(args.out, variables, arch=arch)

@@ -439,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("port", help="convert a torch checkpoint to Flax variables (safetensors)",
                        description="Convert a torch checkpoint to Flax variables. With no CHECKPOINT, ports an "
                                    "embedded default ResNet-50 saved like a GPU DataParallel run.")
-    p.add_argument("checkpoint", nargs="?", help="a .pt/.pth/.bin/.safetensors file (default: embedded ResNet-50)")
+    p.add_argument("checkpoint", nargs="?", help="any torch.save file (.pt, .pth, .bin, .tar, .ckpt, ...) or .safetensors "
+                                                    "(default: the embedded ResNet-50)")
     p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory, "
                                  "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
@@ -451,20 +452,30 @@ def build_parser() -> argparse.ArgumentParser:
     loading(p)
     p.set_defaults(func=_cmd_port)
 
-    p = sub.add_parser("verify", help="cross-check a checkpoint (and optionally its port) against torchvision")
-    p.add_argument("checkpoint")
+    p = sub.add_parser("verify", help="cross-check a checkpoint (and optionally its port) against torchvision",
+                       description="Run the torchvision model and the Flax port on the same random images and "
+                                   "print, per stage, the max absolute and relative error; exit 1 if a stage is "
+                                   "beyond tolerance.")
+    p.add_argument("checkpoint", help="the torch checkpoint: any torch.save file or .safetensors")
     p.add_argument("variables", nargs="?", help="ported variables to check (default: convert the checkpoint afresh)")
-    p.add_argument("--mode", choices=("eval", "train", "both"), default="both")
-    p.add_argument("--batch-size", type=_positive("--batch-size", int, 2), default=2)
-    p.add_argument("--image-size", type=_positive("--image-size", int, 64), default=64)
+    p.add_argument("--mode", choices=("eval", "train", "both"), default="both",
+                   help="eval: stem, layer1..4, pooled features, logits; train: also every BatchNorm's updated "
+                        "running statistics (default: both)")
+    p.add_argument("--batch-size", type=_positive("--batch-size", int, 2), default=2, metavar="N",
+                   help="images per check (default: 2)")
+    p.add_argument("--image-size", type=_positive("--image-size", int, 64), default=64, metavar="PIXELS",
+                   help="height and width of the random images (default: 64)")
     p.add_argument("--rtol", type=_positive("--rtol", float, 1e-4), default=1e-4,
-                   help="eval tolerance relative to each stage's scale")
+                   help="eval tolerance on each stage's max error relative to its scale (default: 1e-4)")
     p.add_argument("--train-rtol", type=_positive("--train-rtol", float, 1e-3), default=1e-3,
-                   help="train-mode tolerance (see cross_check)")
+                   help="train-mode tolerance floor, raised to a multiple of torch's own float32 error where that "
+                        "is larger (default: 1e-3)")
     loading(p)
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("export", help="write Flax variables (or a training workdir) as a torch state_dict")
+    p = sub.add_parser("export", help="write Flax variables (or a training workdir) as a torch state_dict",
+                       description="Write Flax variables (a port, or a `jaxport train` workdir's weights) as a "
+                                   "torch state_dict that torchvision loads with strict=True.")
     p.add_argument("variables", help="a variables .safetensors file or a `jaxport train` workdir")
     p.add_argument("--arch", choices=list(ARCHS), metavar="ARCH", help="architecture (default: recorded in the file)")
     p.add_argument("--out", required=True,
@@ -472,7 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.set_defaults(func=_cmd_export)
 
-    p = sub.add_parser("env", help="versions, devices and known-bad combinations")
+    p = sub.add_parser("env", help="versions, devices and known-bad combinations",
+                       description="Report the versions that matter (python, jax, jaxlib and its plugins, flax, "
+                                   "optax, orbax, torch, torchvision, pillow, numpy) and the devices, and warn "
+                                   "about known-bad combinations.")
     p.set_defaults(func=_cmd_env)
 
     try:

@@ -308,6 +308,22 @@ def test_help_is_clean(command, capsys):
     assert out.startswith("usage: jaxport") and "%%" not in out and "%(" not in out, out
 
 
+@pytest.mark.parametrize("command", ["port", "verify", "export", "env", "train"])
+def test_every_option_says_what_it_does(command):
+    """`jaxport verify --help` listed checkpoint, --mode, --batch-size and --image-size bare:
+    no description, no defaults, though the README relies on them."""
+    from jaxport._cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    assert sub.description, command
+    bare = [a.dest for a in sub._actions if not a.help and a.dest != "help"]
+    assert not bare, f"{command}: {bare} have no help"
+    for action in sub._actions:
+        if action.default not in (None, False, "auto", "keep") and action.option_strings and action.type is not None:
+            assert "default" in action.help, f"{command} {action.option_strings[0]}: {action.help}"
+
+
 def test_port_and_export_never_replace_a_file_they_did_not_write(tmp_path, monkeypatch, capsys):
     """Nothing is lost: `a.epoch10.pth` and `a.epoch20.pth` both defaulted to `a.safetensors`
     (the second silently replaced the first's port), and an explicit `--out` replaced any file."""

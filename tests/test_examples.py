@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 import torchvision
 
+import jaxport
+import torch_compat
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -32,6 +35,25 @@ def test_port_resnet_example_takes_the_prefix_its_errors_name(tmp_path):
     proc = _run_example("port_resnet.py", tmp_path, "moco.pth", "--prefix", "encoder_q")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resnet18, 3 classes" in proc.stdout and "same prediction: True" in proc.stdout, proc.stdout
+
+
+def test_port_resnet_example_takes_the_backbone_only_flag_its_errors_name(tmp_path):
+    """MoCo v2's encoder has an MLP head (fc.0, fc.2): the conversion error says to keep the
+    backbone with --backbone-only, which the example did not have."""
+    model = torchvision.models.resnet18()
+    model.fc = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 128))
+    torch.save({"state_dict": {f"module.encoder_q.{k}": v for k, v in model.state_dict().items()}},
+               tmp_path / "moco.pth")
+    proc = _run_example("port_resnet.py", tmp_path, "moco.pth", "--prefix", "encoder_q")
+    assert proc.returncode == 1 and "--backbone-only" in proc.stderr, proc.stdout + proc.stderr
+    proc = _run_example("port_resnet.py", tmp_path, "moco.pth", "--prefix", "encoder_q", "--backbone-only")
+    assert "is a resnet18 backbone without a classifier (ported to ported.safetensors)" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and proc.stderr.count("\n") == 1, proc.stderr
+    from torch_compat._crosscheck import port_differences
+
+    backbone = torch_compat.backbone_state_dict(model.state_dict())
+    assert port_differences(backbone, jaxport.load_variables(tmp_path / "ported.safetensors"),
+                                         "resnet18") == []
 
 
 def test_examples_report_bad_input_in_one_line(tmp_path):

@@ -169,7 +169,7 @@ def load_state_dict(
 
     Example:
       >>> sd = load_state_dict("resnet50.pth")  # doctest: +SKIP
-      >>> sd["conv1.weight"].shape
+      >>> sd["conv1.weight"].shape  # doctest: +SKIP
       torch.Size([64, 3, 7, 7])
     """
     if not isinstance(path, (str, os.PathLike)):
