@@ -418,3 +418,43 @@ def test_every_group_of_extra_keys_is_named_for_removal():
         assert torch_compat.torch_to_flax(kept)["params"]["fc"]["kernel"].shape == (512, 10)
     assert "other ResNets under 'ema.', 'teacher.'" in str(pytest.raises(
         ConversionError, torch_compat.torch_to_flax, cases["ema.", "teacher."]).value)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_float_counter_is_not_cast_by_dtype(dtype):
+    """A counter saved as float32 is an integer in a float: cast with the weights, 123457 became
+    bfloat16's 123392 and float16's inf (refused as an overflow). torch's load_state_dict copies it
+    into its int64 buffer as 123457, and so must the port."""
+    sd = dict(reference("resnet18").state_dict())
+    sd["bn1.num_batches_tracked"] = torch.tensor(123457.0)
+    model = torchvision.models.resnet18(num_classes=10)
+    model.load_state_dict(sd, strict=True)
+    want = model.bn1.num_batches_tracked
+    assert want.dtype == torch.int64 and want.item() == 123457
+    variables = torch_compat.torch_to_flax(sd, dtype=dtype)
+    counter = variables["batch_stats"]["bn1"]["num_batches_tracked"]
+    assert np.issubdtype(counter.dtype, np.integer) and int(counter) == want.item()
+    cast = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    assert variables["batch_stats"]["bn1"]["mean"].dtype == cast  # the weights were cast
+    back = torch_compat.flax_to_torch(variables, "resnet18")["bn1.num_batches_tracked"]
+    assert back.dtype == torch.int64 and torch.equal(back, want)
+
+
+def test_variables_without_counters_export_as_torchvision_state_dict():
+    """Variables may omit num_batches_tracked (the converter and `jaxport export` accept that):
+    the state_dict must still have torchvision's keys in its order, each counter torch's int64 0."""
+    variables = torch_compat.torch_to_flax(reference("resnet18").state_dict())
+    stack = [variables["batch_stats"]]
+    while stack:
+        node = stack.pop()
+        node.pop("num_batches_tracked", None)
+        stack += [v for v in node.values() if isinstance(v, dict)]
+    assert "num_batches_tracked" not in str(jax.tree_util.tree_structure(variables))
+    sd = torch_compat.flax_to_torch(variables, "resnet18")
+    model = torchvision.models.resnet18(num_classes=10)
+    assert list(sd) == list(model.state_dict())
+    model.load_state_dict(sd, strict=True)
+    counters = {k: v for k, v in sd.items() if k.endswith("num_batches_tracked")}
+    assert len(counters) == 20
+    for k, v in counters.items():
+        assert v.dtype == torch.int64 and v.shape == () and v.item() == 0, (k, v)

@@ -159,3 +159,138 @@ def test_port_differences_names_every_changed_tensor():
     assert [line.split(":")[0] for line in lines] == ["params/layer3/0/conv1/kernel", "params/fc/bias"], lines
     assert lines[0].startswith("params/layer3/0/conv1/kernel: 1 of 294912 values differ"), lines
     assert all(r.ok for r in torch_compat.cross_check(sd, variables, modes=("eval",)))  # blind to both
+
+
+# Train mode at 32 px: batch 4 leaves layer4's BatchNorms 4 values per channel (1x1 maps), where
+# torch's own float32 error stays ~1e-5 of each stage's scale (batch 2 there: ~7e-3).
+SMALL_TRAIN = dict(modes=("train",), batch_size=4, image_size=32)
+
+
+def _inputs(batch_size, image_size, seed=0):
+    """cross_check's inputs (its documented seeding), for torch references computed here."""
+    return torch.randn(batch_size, 3, image_size, image_size, generator=torch.Generator().manual_seed(seed))
+
+
+def _torchvision18(state_dict):
+    model = torchvision.models.resnet18(num_classes=torch_compat.num_classes_of(state_dict))
+    model.load_state_dict(state_dict, strict=True)
+    return model
+
+
+def _updated_running_vars(state_dict, x):
+    """Each BatchNorm's running_var after one train-mode torch step on `x`."""
+    model = _torchvision18(state_dict).train()
+    with torch.no_grad():
+        model(x)
+    return {k: v for k, v in model.state_dict().items() if k.endswith("running_var")}
+
+
+def test_train_mode_fails_a_wrong_running_var_and_reports_the_worst_batchnorm():
+    """Train-mode BatchNorm normalises by the batch's own statistics, so a wrong running_var moves
+    no activation: only the running-statistics rows can fail such a port. Two BatchNorms, neither
+    the first nor the last, are broken so that the worst by absolute error (layer1.1.bn1, scale
+    ~1.9) is not the worst relative to its scale (layer2.1.bn2, scale ~1): the row must report
+    the latter, torch's own update of the same wrong variables being the reference."""
+    sd = reference("resnet18").state_dict()
+    variables = torch_compat.torch_to_flax(sd)
+    for path, shift in ((("layer2", "1", "bn2"), 0.6), (("layer1", "1", "bn1"), 0.4)):
+        bn = variables["batch_stats"]
+        for p in path:
+            bn = bn[p]
+        bn["var"] = bn["var"] + np.float32(shift) * bn["var"].max()
+
+    (report,) = torch_compat.cross_check(sd, variables, **SMALL_TRAIN)
+    assert not report.ok, report.table()
+    assert [r.stage for r in report.rows if not r.ok] == ["running_var"], report.table()
+
+    x = _inputs(SMALL_TRAIN["batch_size"], SMALL_TRAIN["image_size"])
+    want = _updated_running_vars(sd, x)
+    # what a correct port of the broken variables computes
+    got = _updated_running_vars(torch_compat.flax_to_torch(variables, "resnet18"), x)
+    abs_err = {k: float((got[k] - w).abs().max()) for k, w in want.items()}
+    rel_err = {k: abs_err[k] / float(w.abs().max()) for k, w in want.items()}
+    worst = max(rel_err, key=rel_err.get)
+    assert worst == "layer2.1.bn2.running_var" and max(abs_err, key=abs_err.get) == "layer1.1.bn1.running_var"
+    row = {r.stage: r for r in report.rows}["running_var"]
+    np.testing.assert_allclose(row.max_rel, rel_err[worst], rtol=1e-4)
+    np.testing.assert_allclose(row.scale, float(want[worst].abs().max()), rtol=1e-6)
+    assert row.max_rel == max(r.max_rel for r in report.rows), report.table()
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_errors_are_relative_to_the_stage_scale(mode):
+    """A classifier scaled by 1e4 (on both sides: a correct port) makes the logits' float32
+    rounding 1e4 times larger in absolute terms, far above any tolerance, but not relative to
+    the logits' scale: the port passes."""
+    sd = dict(reference("resnet18").state_dict())
+    sd["fc.weight"], sd["fc.bias"] = sd["fc.weight"] * 1e4, sd["fc.bias"] * 1e4
+    kw = SMALL_TRAIN if mode == "train" else dict(modes=("eval",), image_size=32)
+    (report,) = torch_compat.cross_check(sd, **kw)
+    assert report.ok, report.table()
+    logits = {r.stage: r for r in report.rows}["logits"]
+    assert logits.scale > 1e3 and logits.max_abs > 10 * logits.tol, report.table()  # an absolute bound would fail
+
+
+def _eval_logits(state_dict, image_size, batch_size=2):
+    with torch.no_grad():
+        return _torchvision18(state_dict).eval()(_inputs(batch_size, image_size)).numpy()
+
+
+def test_eval_tolerance_is_1e_4_of_the_logits_scale():
+    """A shift of every logit by 3e-4 of the logits' scale is a broken port at the default
+    tolerance (1e-4) though within 1e-3."""
+    sd = reference("resnet18").state_dict()
+    scale = float(np.abs(_eval_logits(sd, 32)).max())
+    variables = torch_compat.torch_to_flax(sd)
+    variables["params"]["fc"]["bias"] = variables["params"]["fc"]["bias"] + np.float32(3e-4 * scale)
+    (report,) = torch_compat.cross_check(sd, variables, modes=("eval",), image_size=32)
+    assert report.rtol == 1e-4
+    assert not report.ok and [r.stage for r in report.rows if not r.ok] == ["logits"], report.table()
+    np.testing.assert_allclose(report.rows[-1].max_rel, 3e-4, rtol=1e-2)
+    (loose,) = torch_compat.cross_check(sd, variables, modes=("eval",), image_size=32, rtol=1e-3)
+    assert loose.ok, loose.table()
+
+
+def test_eval_relative_error_is_max_abs_over_max_abs_torch():
+    """`max_rel` is max |jax - torch| / max |torch|, whatever the scale: with logits ~3e-5 an
+    error of 1e-6 is 3% of them, a broken port (a bound in absolute terms, or relative to
+    max(scale, 1), passed it)."""
+    sd = dict(reference("resnet18").state_dict())
+    sd["fc.weight"], sd["fc.bias"] = sd["fc.weight"] * 1e-4, sd["fc.bias"] * 1e-4
+    expected = _eval_logits(sd, 32)
+    variables = torch_compat.torch_to_flax(sd)
+    variables["params"]["fc"]["bias"] = variables["params"]["fc"]["bias"] + np.float32(1e-6)
+    (report,) = torch_compat.cross_check(sd, variables, modes=("eval",), image_size=32)
+    row = {r.stage: r for r in report.rows}["logits"]
+    scale = float(np.abs(expected).max())
+    assert scale < 1e-3, scale  # far from 1, so dividing by it or not differs
+    np.testing.assert_allclose(row.scale, scale, rtol=1e-6)
+    np.testing.assert_allclose(row.max_abs, 1e-6, rtol=1e-2)
+    assert row.max_rel == row.max_abs / row.scale
+    assert not row.ok and not report.ok, report.table()
+
+
+@pytest.mark.parametrize("case", ["signed_zero", "same_nan", "other_nan"])
+def test_port_differences_compares_bits(case):
+    """A port is a copy: -0.0 for 0.0 is a difference although equal as values, and a NaN with
+    the checkpoint's own bits is none although NaN != NaN."""
+    from torch_compat._crosscheck import port_differences
+
+    sd = dict(reference("resnet18").state_dict())
+    bias = sd["fc.bias"].clone()
+    bias[3] = float("nan") if case.endswith("nan") else 0.0
+    sd["fc.bias"] = bias
+    variables = torch_compat.torch_to_flax(sd)
+    ported = variables["params"]["fc"]["bias"]
+    assert ported.view(np.uint32)[3] == bias.numpy().view(np.uint32)[3]
+    changed = ported.copy()
+    if case == "signed_zero":
+        changed[3] = -0.0
+    elif case == "other_nan":
+        changed.view(np.uint32)[3] ^= 1  # another NaN payload
+    variables["params"]["fc"]["bias"] = changed
+    lines = port_differences(sd, variables, "resnet18")
+    if case == "same_nan":
+        assert lines == []
+    else:
+        assert len(lines) == 1 and lines[0].startswith("params/fc/bias: 1 of 10 values differ"), lines

@@ -121,3 +121,28 @@ def test_build_folded_rejects_unknown_arch_and_fixed_options():
         models.build_folded("resnet5")
     with pytest.raises(ConfigError, match=r"`groups` \(=8\) is fixed to 32 by resnext50_32x4d; use FoldedResNet"):
         models.build_folded("resnext50_32x4d", groups=8)
+
+
+def test_folded_float32_weights_are_float64_rounded_once():
+    """`fold_batchnorm` computes in float64 and rounds once: bit for bit the float64 fold of the
+    float32 inputs cast to float32 (computed here with torch), not torch's float32 fusion, which
+    rounds at each step and differs in the last bit."""
+    ref = reference("resnet18")
+    folded = models.fold_batchnorm(_ported("resnet18"), "resnet18")["params"]
+    modules = dict(ref.named_modules())
+    n = 0
+    for name, bn in modules.items():
+        if not isinstance(bn, torch.nn.BatchNorm2d):
+            continue
+        conv_name = name[:-1] + "0" if name.endswith("downsample.1") else name.replace("bn", "conv")
+        s = bn.weight.detach().double() / torch.sqrt(bn.running_var.double() + bn.eps)
+        w = (modules[conv_name].weight.detach().double() * s[:, None, None, None]).float()
+        b = (bn.bias.detach().double() - bn.running_mean.double() * s).float()
+        node = folded
+        for part in conv_name.split("."):
+            node = node[part]
+        assert node["kernel"].dtype == node["bias"].dtype == np.float32
+        np.testing.assert_array_equal(node["kernel"].view(np.uint32), w.permute(2, 3, 1, 0).numpy().view(np.uint32))
+        np.testing.assert_array_equal(node["bias"].view(np.uint32), b.numpy().view(np.uint32))
+        n += 1
+    assert n == 20

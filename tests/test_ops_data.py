@@ -49,3 +49,19 @@ def to_torch(x: np.ndarray, dtype: str) -> torch.Tensor:
 def torch_rank(xt: torch.Tensor, axis: int, descending: bool) -> np.ndarray:
     """The reference: torch's double sort."""
     return xt.sort(dim=axis, descending=descending, stable=True).indices.argsort(dim=axis).numpy()
+
+
+# float8 values with ties, both zeros and NaNs of both signs (e5m2 also has infinities).
+FLOAT8_POOL = {"float8_e4m3fn": [-448.0, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, 448.0, np.nan, -np.nan],
+               "float8_e5m2": [-np.inf, -1.0, -0.0, 0.0, 0.5, 1.0, 3.0, np.inf, np.nan, -np.nan]}
+
+
+def float8_data(shape, dtype: str, seed: int = 0) -> np.ndarray:
+    """Random float8 values drawn from `FLOAT8_POOL` (mostly ties) and a few distinct ones."""
+    rng = np.random.default_rng(seed)
+    x = rng.choice(np.array(FLOAT8_POOL[dtype], np.float32), size=shape)
+    x = np.where(rng.random(shape) < 0.3, rng.standard_normal(shape).astype(np.float32), x)
+    x = x.astype(getattr(ml_dtypes, dtype))
+    bits = x.view(np.uint8)
+    assert {0x00, 0x80} <= set(np.unique(bits)), "both zeros must occur"
+    return x

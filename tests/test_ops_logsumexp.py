@@ -234,3 +234,31 @@ def test_lists_of_python_floats_are_rounded_as_arrays_are():
     np.testing.assert_allclose(np.asarray(logsumexp(values)), want.numpy(), rtol=1e-6)
     want_b = scipy.special.logsumexp(np.float32(values), b=np.float32([0.5, 2.0, 1e-3]))
     np.testing.assert_allclose(np.asarray(logsumexp(values, b=[0.5, 2.0, 1e-3])), want_b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("n, small, peak", [
+    (40000, -95.0, -87.0),
+    # at the floor's scale: 399999 flushed terms of 1e-38 beside one of 2e-30 shift the result by
+    # 3e-5 of it, so a floor without its n (or its 1/eps) factor lets the one pass lose them
+    (400000, -87.5, float(np.log(np.float32(2e-30)))),
+], ids=["one_normal_term", "at_the_floor"])
+def test_terms_lost_to_underflow_send_the_one_pass_to_the_shifted_sum(n, small, peak):
+    """exp(-95) is below float32's normal range (XLA:CPU flushes it to 0), exp(-87) just above:
+    summed unshifted, the 39999 small terms vanished and the one pass gave -87 for a slice whose
+    logsumexp is -84.33. Its sum is finite and nonzero, so only the underflow floor catches it."""
+    x = np.full((2, n), small, np.float32)
+    x[:, 0] = peak
+    want = torch.logsumexp(torch.from_numpy(x), dim=-1).numpy()
+    got = logsumexp(jnp.asarray(x), axis=-1)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=TOL["float32"], atol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_sums_in_float32(dtype):
+    """70000 terms of exp(0): in float16 the sum passes 65504 and is inf, and bfloat16's 8 bits
+    lose most of it; torch sums half precision in float32, so log(70000) = 11.16."""
+    x = np.zeros((70000,), np_dtype(dtype))
+    want = torch.logsumexp(to_torch(x, dtype).float(), dim=0).numpy()
+    got = logsumexp(jnp.asarray(x))
+    assert got.dtype == jnp.dtype(np_dtype(dtype))
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=TOL[dtype], atol=0)

@@ -12,7 +12,7 @@ import pytest
 from jaxport._errors import ConfigError
 from jaxport.ops import rank
 
-from tests.test_ops_data import tricky, to_torch, torch_rank
+from tests.test_ops_data import float8_data, tricky, to_torch, torch_rank
 
 DTYPES = ["float32", "float16", "bfloat16", "int32", "int8", "uint8", "bool"]
 SHAPES_AXES = [((13,), 0), ((4, 37), -1), ((4, 37), 0), ((3, 5, 19), 1), ((3, 5, 19), -1)]
@@ -111,3 +111,17 @@ def test_64bit_inputs_that_narrow_exactly_are_ranked_as_torch(dtype):
     x = np.random.default_rng(3).integers(-50, 50, (4, 40)).astype(dtype)
     x[0, :5] = [-0.0, 0.0, 3, 3, -50] if dtype == "float64" else [0, 0, 3, 3, -50]
     np.testing.assert_array_equal(np.asarray(rank(x)), torch_rank(torch.from_numpy(x), -1, False))
+
+
+@pytest.mark.parametrize("method", ["host", "xla"])
+@pytest.mark.parametrize("descending", [False, True])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_rank_matches_torch_on_the_float32_values(dtype, descending, method):
+    """float8 is widened to float32 for its keys: -0.0 and +0.0 must tie (ranked by position, as
+    torch's stable sort of the widened values does), and every NaN too."""
+    import torch
+
+    x = float8_data((4, 37), dtype)
+    want = torch_rank(torch.from_numpy(x.astype(np.float32)), -1, descending)
+    got = rank(jnp.asarray(x), -1, descending, method=method)
+    np.testing.assert_array_equal(np.asarray(got), want)

@@ -11,7 +11,7 @@ import torch
 
 from jaxport._errors import ConfigError
 from jaxport.ops import hard_negative_mask, rank, topk_mask
-from tests.test_ops_data import tricky, to_torch, torch_rank
+from tests.test_ops_data import float8_data, tricky, to_torch, torch_rank
 
 DTYPES = ["float32", "float16", "bfloat16", "int32", "uint8"]
 SHAPES_AXES = [((4, 37), -1), ((4, 37), 0), ((3, 5, 19), 1)]
@@ -257,3 +257,25 @@ def test_argument_kinds_are_checked():
     loss = jnp.array([[0.1, 2.0, 0.5, 3.0]])
     np.testing.assert_array_equal(np.asarray(hard_negative_mask(loss, jnp.array([[0, 0, 0, 7]]), 1)),
                                   np.asarray(hard_negative_mask(loss, jnp.array([[False, False, False, True]]), 1)))
+
+
+@pytest.mark.parametrize("method", ["host", "xla"])
+@pytest.mark.parametrize("k_kind", ["per_slice", "middle", "one_zero"])
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_float8_topk_mask_matches_torch_on_the_float32_values(dtype, largest, k_kind, method):
+    """float8 keys widen to float32: -0.0 and +0.0 tie (the earlier one is taken first, as in
+    torch's stable sort of the widened values), and so does every NaN. "one_zero" cuts inside
+    the zeros, after the first: +0.0 before -0.0 in rows 0 and 2, the other way in rows 1 and 3,
+    so a key that orders -0.0 below +0.0 takes the wrong one in either direction."""
+    x = float8_data((4, 37), dtype)
+    x[:, :2] = np.array([[0.0, -0.0], [-0.0, 0.0]] * 2, np.float32).astype(x.dtype)
+    values = x.astype(np.float32)
+    if k_kind == "one_zero":  # everything ahead of the zeros, and one zero
+        ahead = (values > 0) | np.isnan(values) if largest else values < 0
+        k = (ahead.sum(-1) + 1).astype(np.int32)
+    else:
+        k = _k(k_kind, (4,), 37)
+    want = _torch_topk(values, "float32", k, -1, largest)
+    got = topk_mask(jnp.asarray(x), k, -1, largest, method=method)
+    np.testing.assert_array_equal(np.asarray(got), want)

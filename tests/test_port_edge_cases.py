@@ -209,3 +209,30 @@ def test_a_prefix_may_name_nested_dicts(tmp_path, layout, prefix):
         out = tmp_path / "v.safetensors"
         assert main(["port", str(path), "--prefix", prefix, "--out", str(out)]) == 0
         assert main(["verify", str(path), str(out), "--prefix", prefix]) == 0
+
+
+@pytest.mark.parametrize("broken", ["mean<->var", "counter"])
+def test_port_verify_exits_1_when_the_cross_check_fails(tmp_path, monkeypatch, capsys, broken):
+    """`jaxport port --verify` is a gate in scripts: a port beyond tolerance must exit 1 (a
+    mismatch), not 0 after printing the failing table. The conversion is broken here by swapping
+    one BatchNorm's running mean and variance (both modes fail), or by a wrong batch counter,
+    which only train mode's num_batches_tracked row sees (one failing mode is a failure)."""
+    from tests.helpers import reference
+
+    convert = torch_compat.torch_to_flax
+
+    def broken_port(*args, **kwargs):
+        variables = convert(*args, **kwargs)
+        bn = variables["batch_stats"]["layer2"]["0"]["bn1"]
+        if broken == "mean<->var":
+            bn["mean"], bn["var"] = bn["var"], bn["mean"]
+        else:
+            bn["num_batches_tracked"] = bn["num_batches_tracked"] + 5
+        return variables
+
+    monkeypatch.setattr(torch_compat, "torch_to_flax", broken_port)
+    torch.save(reference("resnet18").state_dict(), tmp_path / "r18.pt")
+    code = main(["port", str(tmp_path / "r18.pt"), "--out", str(tmp_path / "r18.safetensors"), "--verify"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "verify: FAIL" in out and "PASS" not in out and "  NO" in out, out
