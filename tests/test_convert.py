@@ -366,9 +366,9 @@ def test_the_overflow_advice_fits_the_cast():
 
 def test_ambiguous_or_odd_dtypes_are_refused_by_name():
     """`dtype="float"` meant float64 (numpy), where torch users read float32; a dict raised numpy's
-    ValueError."""
+    ValueError. "double" and "half" mean the same width to both, as torch.double and torch.half."""
     sd = reference("resnet18").state_dict()
-    for ambiguous in ("float", "double", float, "Float"):
+    for ambiguous in ("float", float, "Float"):
         with pytest.raises(ConversionError) as e:
             torch_compat.torch_to_flax(sd, dtype=ambiguous)
         assert f"`dtype` (={ambiguous!r}) is ambiguous" in str(e.value)
@@ -380,6 +380,9 @@ def test_ambiguous_or_odd_dtypes_are_refused_by_name():
         assert "None keeps the dtypes" in str(e.value)
     half = torch_compat.torch_to_flax(sd, dtype="half")
     assert half["params"]["fc"]["kernel"].dtype == np.float16
+    double = torch_compat.torch_to_flax(sd, dtype="double")
+    assert double["params"]["fc"]["kernel"].dtype == np.float64
+    np.testing.assert_array_equal(double["params"]["fc"]["bias"], sd["fc.bias"].double().numpy())
 
 
 @pytest.mark.parametrize("float8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=str)

@@ -611,8 +611,9 @@ def _torch_dtype(dtype: Any) -> torch.dtype | None:
     if dtype is None:
         return None
     choices = ", ".join(repr(n) for n in _FLOAT_DTYPES.values())
-    if dtype is float or (isinstance(dtype, str) and dtype.strip().lower() in ("float", "double")):
-        # numpy reads these as float64, a torch user as float32 (`torch.float`) or float64 (`torch.double`)
+    if dtype is float or (isinstance(dtype, str) and dtype.strip().lower() == "float"):
+        # numpy reads it as float64, a torch user as float32 (`torch.float`); "double" is float64
+        # to both, as "half" is float16
         raise ConversionError(f"`dtype` (={dtype!r}) is ambiguous: numpy reads it as float64, torch's `float` is "
                               f"float32; name the width, one of {choices} (None keeps the dtypes)")
     if isinstance(dtype, torch.dtype):
