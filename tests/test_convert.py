@@ -233,6 +233,19 @@ def test_weights_a_resnet_cannot_compute_with_are_refused_by_key(make, shown, fi
         assert fix in str(e.value)
 
 
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=str)
+def test_a_nested_tensor_is_refused_by_key(layout):
+    """A nested tensor has no shape: torch's "Internal error: NestedTensorImpl doesn't support
+    sizes" reached the CLI as an internal error."""
+    sd = dict(reference("resnet18").state_dict())
+    with warnings.catch_warnings():  # torch calls its nested tensors a prototype
+        warnings.simplefilter("ignore")
+        sd["fc.bias"] = torch.nested.nested_tensor([torch.randn(3), torch.randn(4)], layout=layout)
+    for arch in (None, "resnet18"):
+        with pytest.raises(ConversionError, match=r"state_dict\['fc.bias'\] is a nested tensor \(torch.nested"):
+            torch_compat.torch_to_flax(sd, arch)
+
+
 def test_a_batch_counter_beyond_int32_is_refused_not_wrapped():
     """It becomes int32 (jax's default integer): 2**31 + 5 came back as -2**31 + 5."""
     sd = dict(reference("resnet18").state_dict())

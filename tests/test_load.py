@@ -9,6 +9,8 @@ import os
 import pickle
 import re
 import struct
+import subprocess
+import sys
 import tarfile
 import warnings
 import zipfile
@@ -25,6 +27,7 @@ from torch_compat._cuda_tag import saving_as_cuda
 from torch_compat._load import load_state_dict, weights_only_is_safe
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_net(dtype=torch.float32, seed=0):
@@ -360,11 +363,32 @@ def _run_dir(d):
     return d / "run1"
 
 
+def _symlinks(d, *links):
+    for name, target in links:
+        os.symlink(target, d / name)
+    return d / links[0][0]
+
+
+def _zip_member_added(path):
+    save({"w": ONE}, path, "zip")
+    with zipfile.ZipFile(path, "a") as z:
+        z.writestr("notes.txt", "trained on 8 GPUs")
+    return path
+
+
 ONE = torch.ones(1)
 # case -> (make the file in a tmp dir, regex the one-line message must match)
 BROKEN = {
     "missing": (lambda d: d / "nope.pt", "does not exist"),
     "directory": (_run_dir, r"is a directory \(it contains last.ckpt\)"),
+    # os.path.exists said "does not exist" for both
+    "symlink_loop": (lambda d: _symlinks(d, ("loop1", "loop2"), ("loop2", "loop1")),
+                     "cannot be reached: a symbolic link loop"),
+    "dangling_symlink": (lambda d: _symlinks(d, ("model.pt", "gone.pt")),
+                         "is a symbolic link to 'gone.pt', which does not exist"),
+    # It was "not a torch.save checkpoint (no data.pkl record)", though it has one.
+    "zip_member_added": (lambda d: _zip_member_added(d / "x.pt"),
+                         r"is a torch.save zip archive with a member outside its folder \(\['notes.txt'\]\)"),
     "empty": (lambda d: _write(d / "empty.pt", b""), r"is empty \(0 bytes\)"),
     "text": (lambda d: _write(d / "notes.pt", b"epoch 3 loss 0.12\n"), "a text file"),
     "png": (lambda d: _write(d / "img.pth", b"\x89PNG\r\n\x1a\n" + bytes(64)), "a PNG image"),
@@ -424,6 +448,11 @@ BROKEN = {
         lambda d: save({"conv.weight": ONE, "optimizer": {"state": {0: {"momentum_buffer": ONE}}}}, d / "v.pt", "zip"),
         "maps 'optimizer' to a dict holding tensors, not a tensor",
     ),
+    # An int counter was taken for metadata, dropped, and ported as 0 (torch refuses the file).
+    "int_counter": (
+        lambda d: save({"bn.weight": ONE, "bn.num_batches_tracked": 5}, d / "c.pt", "zip"),
+        "maps 'bn.num_batches_tracked' to an int, not a tensor",
+    ),
     "bare_names_beside_metadata": (
         lambda d: save({"w": ONE, "epoch": 3}, d / "b.pt", "zip"), "maps 'epoch' to an int, not a tensor",
     ),
@@ -453,6 +482,37 @@ def test_broken_files_give_one_clear_error(tmp_path, case):
     with pytest.raises(CheckpointError, match=expected) as excinfo:
         load_state_dict(path)
     one_line_error(excinfo, path)
+
+
+_SHARED_LIST = """
+import sys, time, torch, warnings
+from torch_compat import load_state_dict
+history = 0
+for _ in range(8):  # one list referenced 16 times per level: 16**8 paths through 9 lists
+    history = [history] * 16
+torch.save({"conv1.weight": torch.ones(1), "history": history}, sys.argv[1])
+with warnings.catch_warnings(record=True) as seen:
+    warnings.simplefilter("always")
+    print(sorted(load_state_dict(sys.argv[1])), [str(w.message) for w in seen])
+"""
+
+
+def test_a_list_shared_many_times_is_walked_once(tmp_path):
+    """A 2 KB pickle that references one list 16 times at each of 8 levels: the check of what
+    is metadata followed every path (about 4e9) and hung `jaxport port` for hours, after
+    torch.load had read the file in 0.02 s. (A subprocess, so the old hang fails the test.)"""
+    proc = subprocess.run([sys.executable, "-c", _SHARED_LIST, str(tmp_path / "bomb.pt")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": REPO})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("['conv1.weight'] [\"checkpoint") and "ignored 1 metadata entry" in proc.stdout
+
+
+def test_a_slash_in_one_key_is_not_taken_for_a_jaxport_file(tmp_path):
+    """Any key with a `/` made a safetensors state dict "already a jaxport variables file"; a
+    port's keys all have one."""
+    sd = {"conv.weight": torch.ones(2), "odd/name": torch.zeros(1)}
+    safetensors.torch.save_file(sd, tmp_path / "m.safetensors")
+    assert list(load_state_dict(tmp_path / "m.safetensors")) == ["conv.weight", "odd/name"]
 
 
 # --- checkpoints saved "from the GPU" ------------------------------------------------------

@@ -342,6 +342,11 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str, *, dtype: Any = N
             f"state_dict[{k!r}] is {type(state_dict[k]).__module__}.{type(state_dict[k]).__qualname__}, not a "
             f"torch.Tensor ({len(not_tensors)} such values): a state_dict maps names to torch tensors; read a file "
             "with torch_compat.load_state_dict(path), or convert arrays with torch.from_numpy")
+    nested = [k for k, v in state_dict.items() if v.is_nested]
+    if nested:  # before the shapes: a nested tensor has none (torch raises an internal error)
+        raise ConversionError(f"state_dict[{nested[0]!r}] is a nested tensor (torch.nested, a list of tensors of "
+                              f"different shapes; {len(nested)} such values): a ResNet's weights are dense tensors; "
+                              "save the model's own torch.save(model.state_dict(), path)")
     shapes = {k: _torch_load_shape(k, v) for k, v in state_dict.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "fc.weight", 0)))
     _check(arch, entries, shapes, "torch_key", lambda: _looks_like(state_dict), "the state_dict's weights")

@@ -41,6 +41,7 @@ from __future__ import annotations
 import _compat_pickle
 import argparse
 import contextlib
+import errno
 import inspect
 import json
 import math
@@ -181,7 +182,7 @@ def load_state_dict(
     kind = sniff(shown)
     if kind == "safetensors":
         obj: Any = _load_safetensors(shown)
-        if any("/" in k for k in obj):  # jaxport's `collection/path/leaf` keys: a port, not a state dict
+        if obj and all("/" in k for k in obj):  # jaxport's `collection/path/leaf` keys: a port, not a state dict
             raise CheckpointError(
                 f"'{shown}' is already a jaxport variables file (written by `jaxport port` or `jaxport train`), "
                 f"not a torch checkpoint: read it with jaxport.load_variables, or turn it back into a torch "
@@ -274,8 +275,18 @@ def sniff(shown: str) -> str:
     """The kind of checkpoint at `shown` ("zip", "pickle", "safetensors", "tar", ...), read from its
     first bytes; a CheckpointError naming the path for anything that is not one (missing, a
     directory, a pipe, empty, another format). The CLI calls it to check a path before any work."""
-    if not os.path.exists(shown):
-        raise CheckpointError(f"checkpoint '{shown}' does not exist; check the path")
+    try:
+        os.stat(shown)
+    except FileNotFoundError:
+        if os.path.islink(shown):
+            raise CheckpointError(f"checkpoint '{shown}' is a symbolic link to {os.readlink(shown)!r}, which does "
+                                  "not exist; check the link") from None
+        raise CheckpointError(f"checkpoint '{shown}' does not exist; check the path") from None
+    except OSError as e:  # os.path.exists said "does not exist" for each of these
+        why = ("a symbolic link loop" if e.errno == errno.ELOOP
+               else "permission denied on a directory of its path" if isinstance(e, PermissionError)
+               else e.strerror or type(e).__name__)
+        raise CheckpointError(f"checkpoint '{shown}' cannot be reached: {why}") from None
     if os.path.isdir(shown):
         listing = os.listdir(shown)
         if ".metadata" in listing and any(name.endswith(".distcp") for name in listing):
@@ -743,6 +754,20 @@ def _py3_name(full: str) -> str:
     return full if py3 == full else f"{full} ({py3})"
 
 
+def _stray_members(shown: str) -> str:
+    """` ([NAME, ...])`: the members of a zip archive outside the folder most of them are in (torch.save
+    puts them all in one)."""
+    try:
+        with zipfile.ZipFile(shown) as archive:
+            names = archive.namelist()
+    except (OSError, zipfile.BadZipFile):
+        return ""
+    folders = [n.split("/", 1)[0] if "/" in n else None for n in names]
+    main = max(set(folders) - {None}, key=folders.count, default=None)
+    stray = [n for n, folder in zip(names, folders) if folder != main]
+    return f" ({_short_list(stray, 3)})" if stray else ""
+
+
 def _corrupt_message(shown: str, kind: str, error: BaseException) -> str:
     text = " ".join(str(error).split()) or "unexpected end of data"
     text = text.split(". This is an internal miniz error")[0]
@@ -757,7 +782,13 @@ def _corrupt_message(shown: str, kind: str, error: BaseException) -> str:
                 "dict; save `torch.jit.load(path).state_dict()` with torch.save instead, or "
                 f"{_TRUSTED_HINT}"
             )
-        elif "data.pkl" in text or "not in a subdirectory" in text:
+        elif "not in a subdirectory" in text:
+            return (
+                f"'{shown}' is a torch.save zip archive with a member outside its folder"
+                f"{_stray_members(shown)}, added after it was saved: torch refuses to read it; remove that "
+                "member (zip -d) or save the checkpoint again"
+            )
+        elif "data.pkl" in text:
             return (
                 f"'{shown}' is a zip archive but not a torch.save checkpoint (no data.pkl "
                 "record); expected a torch.save file (.pt/.pth/.bin) or a .safetensors file"
@@ -947,7 +978,8 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
             f"checkpoint '{shown}': {where} is empty; expected a state dict of tensors; re-save "
             "it with torch.save(model.state_dict(), path)"
         )
-    extras = _ignorable_extras(sd)
+    memo: dict[int, bool] = {}
+    extras = _ignorable_extras(sd, memo)
     if extras:
         listed = ", ".join(f"{k!r} ({'0-d tensor' if isinstance(sd[k], torch.Tensor) else type(sd[k]).__name__})"
                            for k in extras[:6])
@@ -957,11 +989,11 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
         sd = {k: v for k, v in sd.items() if k not in extras}
     out = {}
     # The entry that blocks: a non-str key, else a value holding tensors (not metadata), else the first.
-    order = sorted(sd, key=lambda k: (isinstance(k, str), not _holds_tensors(sd[k])))
+    order = sorted(sd, key=lambda k: (isinstance(k, str), not _holds_tensors(sd[k], memo=memo)))
     for key in order:
         value = sd[key]
         if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            holding = " holding tensors" if _holds_tensors(value) else ""
+            holding = " holding tensors" if _holds_tensors(value, memo=memo) else ""
             problem = (
                 f"has a {type(key).__name__} key {key!r}" if not isinstance(key, str)
                 else f"maps {key!r} to {_a(type(value).__name__)}{holding}, not a tensor"
@@ -985,35 +1017,55 @@ def _check_tensors(sd: Mapping, shown: str, where: str) -> dict[str, torch.Tenso
     return out
 
 
-def _ignorable_extras(sd: Mapping) -> list[str]:
+def _ignorable_extras(sd: Mapping, memo: dict[int, bool] | None = None) -> list[str]:
     """The keys of metadata saved beside the weights, `{**model.state_dict(), "epoch": 3, "arch":
     "resnet18", "best_acc1": torch.tensor(71.2)}`: values that hold no tensor, and 0-d tensors
     under a bare name (`best_acc1`, AveragedModel's `n_averaged`), beside tensors named like a
     module's (`conv1.weight`). Empty when anything else is off (non-str keys, tensors nested in a
-    value, other bare tensor names), which `_check_tensors` then reports."""
+    value, other bare tensor names, a non-tensor under a module tensor's name such as an int
+    `layer1.0.bn1.num_batches_tracked`, which was dropped and ported as 0), which `_check_tensors`
+    then reports."""
     if not all(isinstance(k, str) for k in sd):
         return []
     extras = [k for k, v in sd.items()
               if not isinstance(v, torch.Tensor) or ("." not in k and v.ndim == 0)]
     tensor_keys = [k for k in sd if k not in extras]
     if (not extras or not tensor_keys or not all("." in k for k in tensor_keys)
-            or any(_holds_tensors(sd[k]) for k in extras if not isinstance(sd[k], torch.Tensor))):
+            or any("." in k and k.rsplit(".", 1)[1] in _MODULE_TENSOR_NAMES for k in extras)
+            or any(_holds_tensors(sd[k], memo=memo) for k in extras if not isinstance(sd[k], torch.Tensor))):
         return []
     return extras
 
 
-def _holds_tensors(value: Any, depth: int = 0) -> bool:
+# The last part of a torch module's state_dict names (weights, buffers): never metadata.
+_MODULE_TENSOR_NAMES = frozenset({"weight", "bias", "running_mean", "running_var", "num_batches_tracked"})
+
+
+def _holds_tensors(value: Any, depth: int = 0, memo: dict[int, bool] | None = None) -> bool:
+    """Whether `value` holds a tensor (or a module) anywhere; a structure deeper than 8 levels
+    counts as holding one (it is not metadata).
+
+    Each container is walked once per `memo` (pass one dict to the calls over one checkpoint): a
+    pickle can reference one list many times, and `L = [L] * 16` eight levels deep (2 KB on disk)
+    has 16**8 paths, which a plain recursive walk followed for hours while torch had read the
+    file in 0.02 s. Containers are alive while the checkpoint is, so their ids are stable."""
     if isinstance(value, (torch.Tensor, torch.nn.Module)):
         return True
-    if depth > 8:  # a deeper structure is not metadata
+    if depth > 8:
         return True
     if isinstance(value, argparse.Namespace):
         value = vars(value)
     if isinstance(value, Mapping):
-        value = list(value.values())
-    if isinstance(value, (list, tuple, set)):
-        return any(_holds_tensors(v, depth + 1) for v in value)
-    return False
+        items = value.values()
+    elif isinstance(value, (list, tuple, set)):
+        items = value
+    else:
+        return False
+    memo = {} if memo is None else memo
+    if id(value) not in memo:
+        memo[id(value)] = False  # a container holding itself: its other items decide
+        memo[id(value)] = any(_holds_tensors(v, depth + 1, memo) for v in items)
+    return memo[id(value)]
 
 
 def _strip_wrapper_prefixes(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
