@@ -296,6 +296,30 @@ def test_weights_only_is_safe_on_installed_torch():
     assert safe and torch.__version__ in message
 
 
+def test_a_namespace_turned_into_a_numpy_dtype_is_refused(tmp_path):
+    """argparse.Namespace is allowed, and a pickle may set its `__class__`: here to numpy.dtype
+    (jaxport's stand-in), skipping the stand-in's checks and carrying another Namespace as its
+    dtype. numpy happened to refuse it ("truncated or corrupt ... re-download"); the stand-in
+    now refuses it by name."""
+    def text(value):  # BINUNICODE
+        return b"X" + struct.pack("<I", len(value)) + value.encode()
+
+    namespace = b"cargparse\nNamespace\n)\x81"
+    inner = namespace + b"}(" + text("itemsize") + b"K\x08" + text("dtype") + text("f8") + b"ub"
+    fake = namespace + b"N}(" + text("__class__") + b"cnumpy\ndtype\n" + text("dtype") + inner + b"u\x86b"
+    data = b"c_codecs\nencode\n(" + text("\x10" * 8) + text("latin1") + b"tR"
+    scalar = b"cnumpy.core.multiarray\nscalar\n(" + fake + data + b"tR"
+    save({"w": ONE}, tmp_path / "m.pt", "zip")
+    with zipfile.ZipFile(tmp_path / "m.pt") as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    with zipfile.ZipFile(tmp_path / "m.pt", "w") as z:
+        for name, content in members.items():
+            z.writestr(name, b"\x80\x02}" + text("meta") + scalar + b"s." if name.endswith("data.pkl") else content)
+    with pytest.raises(CheckpointError, match=r"holds a numpy value whose dtype is Namespace\(itemsize=8, dtype='f8'\), "
+                                              r"not a pickled numpy dtype.*nothing from the file was run"):
+        load_state_dict(tmp_path / "m.pt")
+
+
 def test_old_torch_refuses_untrusted_pickles(tmp_path, monkeypatch):
     sd = tiny_net().state_dict()
     pt = save(sd, tmp_path / "a.pt", "zip")

@@ -503,7 +503,9 @@ class _NumpyDType:
 
 
 def _numpy_dtype(value: Any) -> np.dtype:
-    if not isinstance(value, _NumpyDType):  # e.g. a dtype given as a string, or a tensor
+    # `type(...) is` and a real numpy dtype inside: the allowed argparse.Namespace can be turned into
+    # a stand-in by a pickle that sets its `__class__`, carrying any `dtype` attribute it likes.
+    if type(value) is not _NumpyDType or not isinstance(vars(value).get("dtype"), np.dtype):
         raise _refuse_numpy(f"value whose dtype is {_short_repr(value)}, not a pickled numpy dtype")
     return value.dtype
 
