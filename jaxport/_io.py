@@ -374,7 +374,7 @@ def holds_variables(path: str | os.PathLike) -> bool:
 
 
 def _holds_variables(keys: list[str], metadata: Mapping[str, str]) -> bool:
-    return metadata.get("format") == FORMAT or not keys or any("/" in k for k in keys)
+    return metadata.get("format") == FORMAT or not keys or all("/" in k for k in keys)
 
 
 def _open(path: Path) -> tuple[dict, dict[str, str]]:

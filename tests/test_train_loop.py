@@ -524,6 +524,43 @@ def test_init_reads_every_format_and_refuses_the_wrong_ones(tmp_path):
         load_init(str(tmp_path / "folder"), "resnet18")
 
 
+def test_init_knows_a_variables_file_by_content_and_names_another_architecture(tmp_path):
+    """A port under another name (`R18.SAFETENSORS`, `r18.st`: `port --out` takes any) was sent
+    to the torch loader, which refused it as "already a jaxport variables file". A variables
+    file that records no architecture (`save_variables` without `arch=`) of a resnet34 given
+    with --arch resnet18 was an internal pytree error; of a resnet50, a "re-initialising fc
+    (10 -> 10 outputs)" line, then a bare list of tuples."""
+    import shutil
+
+    import jaxport
+    from jaxport.models import build
+    from jaxport.train._init import fit_head, load_init
+    from tests.helpers import reference
+    from torch_compat import torch_to_flax
+
+    variables = torch_to_flax(reference("resnet18").state_dict(), "resnet18")
+    jaxport.save_variables(tmp_path / "r18.safetensors", variables, arch="resnet18")
+    want = flatten_tree(variables)
+    for name in ("R18.SAFETENSORS", "r18.st"):
+        shutil.copy(tmp_path / "r18.safetensors", tmp_path / name)
+        got = flatten_tree(load_init(str(tmp_path / name), "resnet18"))
+        assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want), name
+
+    fresh = jax.tree.map(np.asarray, build("resnet18", num_classes=10).init(jax.random.key(0),
+                                                                            np.zeros((1, 16, 16, 3), np.float32)))
+    for other, what in (("resnet34", r"\d+ unexpected \(params/layer1/2/bn1/bias, "),
+                        ("resnet50", r"\d+ of another shape \(batch_stats/layer2/0/downsample/1/mean: \(512,\) in the "
+                                     r"file, \(128,\) in the model")):
+        theirs = jax.tree.map(np.asarray, build(other, num_classes=10).init(jax.random.key(0),
+                                                                          np.zeros((1, 16, 16, 3), np.float32)))
+        jaxport.save_variables(tmp_path / f"{other}.safetensors", theirs)  # no arch recorded
+        said = []
+        with pytest.raises(CheckpointError, match=rf"--init weights do not fit a resnet18: .*{what}.*they are "
+                                                  r"another architecture's: pass the --arch they were trained with"):
+            fit_head(load_init(str(tmp_path / f"{other}.safetensors"), "resnet18"), fresh, said.append, "resnet18")
+        assert said == [], said
+
+
 def test_bad_data_directories(tmp_path):
     with pytest.raises(ConfigError, match=r"`--data` \(=.*missing\) is not a directory"):
         train(TrainConfig(workdir=str(tmp_path / "w"), data=str(tmp_path / "missing")))

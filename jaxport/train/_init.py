@@ -41,7 +41,7 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
             raise CheckpointError(f"`--init` (={path}) is a directory but not a `jaxport train` workdir (no "
                                   "checkpoints/ inside); pass a workdir, a torch checkpoint or a .safetensors file")
         variables, found = load_workdir(path)
-    elif path.endswith(".safetensors") and holds_variables(path):
+    elif _is_safetensors(path) and holds_variables(path):  # by content: `port --out` takes any name
         variables = load_variables(path)
         found = read_metadata(path).get("arch")
     else:
@@ -63,12 +63,24 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
     return jax.tree.map(np.asarray, variables)
 
 
-def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print) -> dict:
-    """`variables` with the classifier (`fc`) taken from `fresh` when its size differs or
-    `variables` is a backbone without one; every other tensor must match `fresh`'s shape.
+def _is_safetensors(path: str) -> bool:
+    """A safetensors file starts with its header's length (8 bytes), then the JSON header."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False  # the loader that reads it says why
+    return len(head) == 9 and head[8:9] == b"{"
+
+
+def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, arch: str | None = None) -> dict:
+    """`variables` with the classifier (`fc`) taken from `fresh` when its number of classes
+    differs or `variables` is a backbone without one; every other tensor must be `fresh`'s, in
+    the same shape.
 
     Raises:
-      CheckpointError: any other tensor has another shape (a different architecture).
+      CheckpointError: another set of tensors or shapes (a different architecture: a variables
+        file that does not record its own, given with another `--arch`).
     """
     if "params" not in variables or "conv1" not in variables["params"]:
         found = sorted(variables.get("params", variables))[:6]
@@ -80,14 +92,24 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print) -
         log(f"--init: the weights are a backbone without a classifier: initialising fc ({new[1]} outputs)")
         out["params"]["fc"] = fresh["params"]["fc"]
     old = np.shape(out["params"]["fc"]["kernel"])
-    if old != new:
+    if old != new and old[:1] == new[:1]:  # the same features, another number of classes
         log(f"--init: classifier head has {old[1]} classes, the data {new[1]}: re-initialising fc "
             f"({old[1]} -> {new[1]} outputs)")
         out["params"]["fc"] = fresh["params"]["fc"]
-    want = dict(_flat(fresh))
-    got = dict(_flat(out))
-    bad = [("/".join(k), np.shape(got.get(k)), np.shape(v)) for k, v in want.items()
-           if k not in got or np.shape(got[k]) != np.shape(v)]
-    if bad:
-        raise CheckpointError(f"--init weights do not fit the model: {bad[:5]}")
+    want, got = dict(_flat(fresh)), dict(_flat(out))
+    missing = [k for k in want if k not in got]
+    unexpected = [k for k in got if k not in want]
+    reshaped = [k for k in want if k in got and np.shape(got[k]) != np.shape(want[k])]
+    if missing or unexpected or reshaped:
+        def paths(keys):
+            return ", ".join("/".join(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
+
+        parts = ([f"{len(missing)} missing ({paths(missing)})"] if missing else []) + (
+            [f"{len(unexpected)} unexpected ({paths(unexpected)})"] if unexpected else []) + (
+            [f"{len(reshaped)} of another shape (" + ", ".join(
+                f"{'/'.join(k)}: {np.shape(got[k])} in the file, {np.shape(want[k])} in the model"
+                for k in reshaped[:2]) + (", ..." if len(reshaped) > 2 else "") + ")"] if reshaped else [])
+        model = f"a {arch}" if arch else "the model"
+        raise CheckpointError(f"--init weights do not fit {model}: {'; '.join(parts)}; they are another "
+                              "architecture's: pass the --arch they were trained with")
     return jax.tree.map(lambda a, f: np.asarray(a).astype(np.asarray(f).dtype), out, fresh)

@@ -569,7 +569,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     # or failing on a file since moved) only to be overwritten.
     resumed_step = _latest_step(cfg.workdir) if cfg.resume else None
     if cfg.init and resumed_step is None:
-        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say)
+        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say, cfg.arch)
     else:
         variables = fresh
     if n_proc > 1:  # what the flags cannot show: each process reads its own copy of --data and --init
