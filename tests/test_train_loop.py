@@ -123,6 +123,14 @@ def test_ctrl_c_in_process_raises_interrupted_after_checkpointing(tmp_path):
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == e.value.step < 6 * 22
     assert signal.getsignal(signal.SIGINT) is before
+    # The final weights file is the checkpointed step's: a resumed run that was interrupted left
+    # the previous run's file, steps behind, for --init and export to read as its own.
+    from jaxport._io import load_variables, read_metadata
+    from jaxport.train import load_workdir
+
+    assert read_metadata(tmp_path / "variables.safetensors")["step"] == str(e.value.step)
+    saved, _ = load_workdir(str(tmp_path))
+    jax.tree.map(np.testing.assert_array_equal, load_variables(tmp_path / "variables.safetensors"), saved)
 
 
 @pytest.mark.slow

@@ -752,9 +752,13 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
                 result = row
                 if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step
                     raise Interrupted(stops.signum, gstep, cfg.workdir)
-    except (DivergedError, Interrupted):  # the checkpoints on disk are good: stop
+    except (DivergedError, Interrupted) as e:  # the checkpoints on disk are good: stop
         if bar is not None:
             bar.close()
+        if lead and isinstance(e, Interrupted):
+            # The step just checkpointed: an earlier run's final file (a resumed run's) was left
+            # as if it were this run's, steps behind the checkpoints, read silently by --init.
+            _save_final(state, cfg, gstep)
         raise
     except Exception as e:  # noqa: BLE001 - only out-of-memory is translated; the rest propagates
         if bar is not None:
@@ -766,17 +770,22 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
         # On every exit: left open, orbax's threads and event loop outlive the error and print
         # asyncio tracebacks ("Event loop is closed") as the interpreter shuts down.
         mngr.close()
-    if lead:  # the final weights in jaxport's variables format, readable whatever the topology
-        # (replicated, so this process's first shard is the value); `jaxport export`, `verify`
-        # and `--init` read it like any ported file. Before the plot: the weights matter more.
-        final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.variables)
-        save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch)
+    if lead:  # before the plot: the weights matter more
+        _save_final(state, cfg, gstep)
     if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     _distributed.finish_together()
     result["state"] = state
     result["steps_run"] = gstep - start
     return result
+
+
+def _save_final(state, cfg: TrainConfig, step: int) -> None:
+    """The weights in jaxport's variables format, readable whatever the topology (replicated, so
+    this process's first shard is the value); `jaxport export`, `verify` and `--init` read it
+    like any ported file. Its header records the step."""
+    final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.variables)
+    save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch, metadata={"step": str(step)})
 
 
 def _diverged(what: str, step: int, mngr, cfg: TrainConfig) -> DivergedError:
