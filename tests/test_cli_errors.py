@@ -7,6 +7,7 @@ Every command line here is refused while parsing, so no test reads or writes a f
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,31 @@ def test_a_user_sees_one_line_and_status_2_with_no_traceback(argv, fragment):
     assert proc.stdout == "" and "Traceback" not in proc.stderr
     assert proc.stderr.startswith("jaxport: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert fragment in proc.stderr
+
+
+def test_abandoned_checkpoint_reads_are_not_logged():
+    """A damaged checkpoint: orbax raised the first failed read (the command's one line) and left
+    the others pending; asyncio logged each as "Future exception was never retrieved", with
+    tensorstore's whole spec, as it was collected: hundreds of lines after the error."""
+    import logging
+
+    from jaxport import _cli
+
+    def record(message, error):
+        return logging.LogRecord("asyncio", logging.ERROR, __file__, 1, f"{message}\nfuture: <Future finished>",
+                                 None, (type(error), error, None))
+
+    read = ValueError('OUT_OF_RANGE: Error reading "params.fc.kernel/0" in OCDBT database at local file "w/": ...')
+    keep = _cli._ABANDONED_READS.filter
+    assert not keep(record("Future exception was never retrieved", read))
+    assert not keep(record("Task exception was never retrieved", read))
+    assert not keep(record("_GatheringFuture exception was never retrieved", read))  # asyncio.gather's
+    assert keep(record("Future exception was never retrieved", ValueError("a user's own future")))
+    assert keep(record("Exception in callback", read))
+    with pytest.raises(SystemExit):
+        _cli.main(["--version"])
+    assert _cli._ABANDONED_READS in logging.getLogger("asyncio").filters
+    with warnings.catch_warnings(record=True) as seen:  # the reads that never started
+        warnings.warn("coroutine '_read_array_index_and_device_put' was never awaited", RuntimeWarning)
+        warnings.warn("coroutine 'mine' was never awaited", RuntimeWarning)
+    assert [str(w.message) for w in seen] == ["coroutine 'mine' was never awaited"]
