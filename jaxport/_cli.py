@@ -501,7 +501,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _ClosedPipeSafe:
-    """stdout that outlives its reader: `jaxport port ... | head -3` still writes the port.
+    """stdout or stderr that outlives its reader: `jaxport port ... | head -3` still writes the port.
 
     Once the reader has gone (BrokenPipeError), the rest of the output goes to /dev/null and
     the command finishes its work, instead of dying mid-way with nothing saved.
@@ -652,14 +652,17 @@ def _main(argv: Sequence[str] | None) -> int:
         for module in _modules_for(args):
             with contextlib.suppress(Exception):  # a broken torch is the command's to report
                 importlib.import_module(module)
-    stdout, sys.stdout = sys.stdout, _ClosedPipeSafe(sys.stdout)
+    # stderr too: `jaxport train ... 2>&1 | head -1` died at its first epoch's line, after that
+    # epoch's checkpoint but before the final weights file, exit status 1.
+    stdout, stderr = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _ClosedPipeSafe(stdout), _ClosedPipeSafe(stderr)
     try:
         # SIGTERM as Ctrl-C: one line and status 143 instead of a silent death (rc -15) whenever
         # it arrives outside the blocks that handle it themselves (writes, `train`'s loop).
         with sigterm_as_interrupt():
             return _run(args)
     finally:
-        sys.stdout = stdout
+        sys.stdout, sys.stderr = stdout, stderr
 
 
 @contextlib.contextmanager

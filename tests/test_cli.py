@@ -244,6 +244,24 @@ def test_a_reader_that_stops_early_does_not_stop_the_port(tmp_path, resnet18_che
     np.testing.assert_array_equal(np.asarray(variables["params"]["conv1"]["kernel"]), want)
 
 
+def test_a_reader_of_both_streams_that_stops_early_does_not_stop_training(tmp_path):
+    """`jaxport train ... 2>&1 | head -1`: the first epoch's line, on stderr, raised
+    BrokenPipeError after that epoch's checkpoint; the run ended with status 1 and no final
+    weights file."""
+    work = tmp_path / "w"
+    proc = subprocess.Popen([sys.executable, "-m", "jaxport", "train", "--workdir", str(work), "--image-size", "16",
+                             "--batch-size", "256", "--epochs", "1", "--checkpoint-every", "1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.stdout.readline().startswith("training resnet18")
+    proc.stdout.close()  # as `head -1` does
+    assert proc.wait(timeout=600) == 0
+    from jaxport._io import read_metadata
+
+    assert read_metadata(work / "variables.safetensors")["step"] == "5"  # 1438 images // 256 per step
+    assert (work / "metrics.jsonl").read_text().count("\n") == 1
+
+
 @pytest.mark.parametrize("name, shown", [("my run", "'my run"), ("-run", "./-run")])
 def test_the_suggested_next_command_runs_as_printed(tmp_path, resnet18_checkpoint, capsys, monkeypatch, name, shown):
     """The `next:` line is copied into a shell: paths with spaces must come out quoted, and one
