@@ -109,7 +109,7 @@ def test_a_signal_while_xla_compiles_gives_one_line_and_no_crash(signum, tmp_pat
     139) after the one line, in every probe run."""
     code = _DURING_COMPILE.format(signum=int(signum), workdir=str(tmp_path / "w"))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1"})
     assert proc.returncode == 128 + signum, proc.stderr[-2000:]
     assert proc.stderr.startswith("jaxport: interrupted") and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
 
