@@ -632,10 +632,9 @@ def _modules_for(args: argparse.Namespace) -> tuple[str, ...]:
     command = getattr(args, "command", None)
     if command in _TORCH_COMMANDS:
         return ("torch",)
-    if command == "train":
-        return (_DATA_MODULES if getattr(args, "data", None) else ()) + (("torch",) if getattr(args, "init", None)
-                                                                         else ())
-    return ()
+    if command == "train" and getattr(args, "data", None):
+        return _DATA_MODULES  # torch among them, for --init too
+    return ("torch",) if command == "train" and getattr(args, "init", None) else ()
 
 
 def _main(argv: Sequence[str] | None) -> int:

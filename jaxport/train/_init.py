@@ -101,14 +101,11 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, a
     unexpected = [k for k in got if k not in want]
     reshaped = [k for k in want if k in got and np.shape(got[k]) != np.shape(want[k])]
     if missing or unexpected or reshaped:
-        def paths(keys):
-            return ", ".join("/".join(k) for k in keys[:3]) + (", ..." if len(keys) > 3 else "")
-
-        parts = ([f"{len(missing)} missing ({paths(missing)})"] if missing else []) + (
-            [f"{len(unexpected)} unexpected ({paths(unexpected)})"] if unexpected else []) + (
-            [f"{len(reshaped)} of another shape (" + ", ".join(
-                f"{'/'.join(k)}: {np.shape(got[k])} in the file, {np.shape(want[k])} in the model"
-                for k in reshaped[:2]) + (", ..." if len(reshaped) > 2 else "") + ")"] if reshaped else [])
+        shown = {"missing": ["/".join(k) for k in missing], "unexpected": ["/".join(k) for k in unexpected],
+                 "of another shape": [f"{'/'.join(k)}: {np.shape(got[k])} in the file, {np.shape(want[k])} in the "
+                                      "model" for k in reshaped]}
+        parts = [f"{len(items)} {label} ({', '.join(items[:3])}{', ...' if len(items) > 3 else ''})"
+                 for label, items in shown.items() if items]
         model = f"a {arch}" if arch else "the model"
         raise CheckpointError(f"--init weights do not fit {model}: {'; '.join(parts)}; they are another "
                               "architecture's: pass the --arch they were trained with")
