@@ -569,6 +569,30 @@ def test_init_knows_a_variables_file_by_content_and_names_another_architecture(t
         assert said == [], said
 
 
+def test_init_says_whether_the_head_is_kept_and_nothing_before_a_misfit():
+    """A kept classifier printed nothing, so a user could not tell it from one silently
+    re-initialised; a misfit of another class count printed "re-initialising fc" before its error."""
+    from jaxport.models import build
+    from jaxport.train._init import fit_head
+
+    def variables(arch, classes):
+        return jax.tree.map(np.asarray, build(arch, num_classes=classes).init(jax.random.key(0),
+                                                                            np.zeros((1, 16, 16, 3), np.float32)))
+
+    fresh, same = variables("resnet18", 10), variables("resnet18", 10)
+    said = []
+    out = fit_head(same, fresh, said.append, "resnet18")
+    assert said == ["--init: every weight taken, the classifier's included (10 classes, as the data has)"]
+    np.testing.assert_array_equal(out["params"]["fc"]["kernel"], same["params"]["fc"]["kernel"])
+    said = []
+    fit_head(variables("resnet18", 4), fresh, said.append, "resnet18")
+    assert said == ["--init: classifier head has 4 classes, the data 10: re-initialising fc (4 -> 10 outputs)"]
+    said = []
+    with pytest.raises(CheckpointError, match="--init weights do not fit a resnet18: "):
+        fit_head(variables("resnet34", 4), fresh, said.append, "resnet18")
+    assert said == [], said
+
+
 def test_bad_data_directories(tmp_path):
     with pytest.raises(ConfigError, match=r"`--data` \(=.*missing\) is not a directory"):
         train(TrainConfig(workdir=str(tmp_path / "w"), data=str(tmp_path / "missing")))

@@ -76,7 +76,7 @@ def _is_safetensors(path: str) -> bool:
 def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, arch: str | None = None) -> dict:
     """`variables` with the classifier (`fc`) taken from `fresh` when its number of classes
     differs or `variables` is a backbone without one; every other tensor must be `fresh`'s, in
-    the same shape.
+    the same shape. One line to `log` says which head the run starts with.
 
     Raises:
       CheckpointError: another set of tensors or shapes (a different architecture: a variables
@@ -88,14 +88,18 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, a
                               "pass a torchvision ResNet checkpoint, jaxport variables or a workdir")
     out = {"params": dict(variables["params"]), "batch_stats": variables.get("batch_stats", {})}
     new = np.shape(fresh["params"]["fc"]["kernel"])
+    # Said once the weights are known to fit: a misfit's error would otherwise follow a line
+    # announcing a head that is never used.
     if "fc" not in out["params"]:
-        log(f"--init: the weights are a backbone without a classifier: initialising fc ({new[1]} outputs)")
+        said = f"--init: the weights are a backbone without a classifier: initialising fc ({new[1]} outputs)"
         out["params"]["fc"] = fresh["params"]["fc"]
-    old = np.shape(out["params"]["fc"]["kernel"])
-    if old != new and old[:1] == new[:1]:  # the same features, another number of classes
-        log(f"--init: classifier head has {old[1]} classes, the data {new[1]}: re-initialising fc "
-            f"({old[1]} -> {new[1]} outputs)")
+    elif (old := np.shape(out["params"]["fc"]["kernel"])) != new and old[:1] == new[:1]:
+        # the same features, another number of classes
+        said = (f"--init: classifier head has {old[1]} classes, the data {new[1]}: re-initialising fc "
+                f"({old[1]} -> {new[1]} outputs)")
         out["params"]["fc"] = fresh["params"]["fc"]
+    else:  # without a line, a user could not tell a kept head from a silently re-initialised one
+        said = f"--init: every weight taken, the classifier's included ({new[1]} classes, as the data has)"
     want, got = dict(_flat(fresh)), dict(_flat(out))
     missing = [k for k in want if k not in got]
     unexpected = [k for k in got if k not in want]
@@ -109,4 +113,5 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, a
         model = f"a {arch}" if arch else "the model"
         raise CheckpointError(f"--init weights do not fit {model}: {'; '.join(parts)}; they are another "
                               "architecture's: pass the --arch they were trained with")
+    log(said)
     return jax.tree.map(lambda a, f: np.asarray(a).astype(np.asarray(f).dtype), out, fresh)
