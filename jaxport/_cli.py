@@ -350,9 +350,11 @@ def _cmd_export(args) -> int:
     # A torch file does not say who wrote it, so even an earlier export is kept without --force.
     _refuse_overwrite(out, args.force, "")
     if src.is_dir():
-        from .train import load_workdir
+        from .train._checkpoint import checkpoint_dir, read_latest
 
-        variables, recorded = load_workdir(src)
+        variables, recorded, step = read_latest(src)
+        # A workdir holds many steps; without this line a user could not tell which one was written.
+        print(f"read: step {step}, the latest checkpoint in {checkpoint_dir(src)}")
     else:
         variables = load_variables(src)
         recorded = read_metadata(src).get("arch")

@@ -90,6 +90,24 @@ def test_workdir_export_runs_in_torchvision_with_its_running_stats(tmp_path, ext
     _assert_same_logits("resnet18", variables, _torch_model("resnet18", state_dict, 10), 10)
 
 
+def test_workdir_export_says_which_step_it_read(tmp_path, capsys):
+    """A workdir keeps several steps; the export named none, so a user could not tell whether the
+    weights written were the run's last ones."""
+    old, new = _trained_like("resnet18", 10), _trained_like("resnet18", 10)
+    workdir = _workdir(tmp_path / "run", old, "resnet18", step=5)
+    mngr = _checkpoint.manager(workdir)
+    try:
+        _checkpoint.save(mngr, 9, {"step": np.asarray(9, np.int32), **new},
+                         {"arch": "resnet18", "num_classes": 10, "settings": {"dtype": "float32"}})
+    finally:
+        mngr.close()
+    capsys.readouterr()
+    assert main(["export", workdir, "--out", str(tmp_path / "m.pt")]) == 0
+    printed = capsys.readouterr().out
+    assert f"read: step 9, the latest checkpoint in {tmp_path / 'run' / 'checkpoints'}\n" in printed
+    _assert_same_logits("resnet18", new, _torch_model("resnet18", _read(tmp_path / "m.pt"), 10), 10)
+
+
 def test_bfloat16_run_exports_its_float32_master_weights(tmp_path):
     """`--dtype bfloat16` is the compute dtype: checkpoints hold float32 weights, and so does the
     export, as torchvision's models are; a bfloat16 export would silently round them."""

@@ -258,6 +258,13 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
       CheckpointError: no checkpoint in `workdir`, or it cannot be read (naming what can be
         read instead: an older checkpoint, or the run's final variables file).
     """
+    variables, arch, _ = read_latest(workdir)
+    return variables, arch
+
+
+def read_latest(workdir: str) -> tuple[dict, str | None, int]:
+    """`load_workdir`'s `(variables, arch)` and the step they were read from (a run still
+    training into `workdir` may have moved on from the step that was newest when it was listed)."""
     path = checkpoint_dir(workdir)
     final = os.path.join(workdir, FINAL_VARIABLES)
     instead = f"; its final weights are in {final} (jaxport export can read it)" if os.path.isfile(final) else ""
@@ -291,4 +298,4 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
     finally:
         mngr.close()  # its threads would outlive an error (the CLI drops their asyncio leftovers)
     arch = meta.get("arch")
-    return jax.tree.map(np.asarray, variables), arch if isinstance(arch, str) and arch else None
+    return jax.tree.map(np.asarray, variables), arch if isinstance(arch, str) and arch else None, steps[-1]
