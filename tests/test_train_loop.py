@@ -292,6 +292,8 @@ def test_resume_says_which_settings_changed(tmp_path):
     same, changed = [], []
     train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 2}), log=same.append)
     assert "resuming from step 1" in same and not any("changed" in m for m in same), same
+    # No epoch has ended: a resume wrote an empty metrics.jsonl all the same.
+    assert not (tmp_path / "metrics.jsonl").exists()
     train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 3, "lr": 0.01, "epochs": 3,
                          "sync_bn": True}), log=changed.append)
     assert ("resuming from step 2 with changed settings: --epochs 3 (was 2), --lr 0.01 (was 0.05), --sync-bn "

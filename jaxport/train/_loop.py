@@ -647,10 +647,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)
         # A metrics.jsonl deleted since the checkpoint is missing every row: said, like a truncated one.
-        if lead and (os.path.exists(metrics_path) or start):
+        # (Before the first epoch's end there is no row to miss, and no file to write.)
+        done = start // steps_per_epoch
+        if lead and (os.path.exists(metrics_path) or done):
             # Rows past the checkpoint (a run killed between an epoch's row and its checkpoint)
             # are dropped: this run trains those epochs again and writes their rows once more.
-            done = start // steps_per_epoch
             read = _read_metrics(metrics_path, torn_ok=True) if os.path.exists(metrics_path) else []
             # One row per epoch, the last written (an edited file repeated one; the plot showed it twice).
             rows = sorted({r["epoch"]: r for r in read if r["epoch"] < done}.values(), key=lambda r: r["epoch"])
