@@ -1,0 +1,42 @@
+"""The benchmark scripts still run against the code they measure.
+
+Nothing here times anything or checks a ratio (the figures live in benchmarks/README.md): each
+script runs at a smoke size, in a subprocess, and must print the rows its README section
+quotes. Without this a change to the library could break a script unnoticed until the next
+measuring session.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+CASES = {
+    "bench_ops.py": (["--shapes", "4x64", "--repeats", "1"],
+                     ["| rank  ", "| topk_mask (per-row k)", "| logsumexp  ", "vs torch dbl sort"]),
+    "bench_port.py": (["--archs", "resnet18", "--repeats", "1"],
+                      ["load_state_dict(mmap=True) + torch_to_flax", "goal <= 1.5x: ", "goal <= 2.5x: "]),
+    "bench_inference.py": (["--batch", "1", "--repeats", "1", "--size", "32", "--torch-threads", "1"],
+                           ["torch eager (1 thr)", "x-same", "jax-folded"]),
+    "bench_train.py": (["--arch", "resnet18", "--classes", "10", "--configs", "2x32", "--steps", "1", "--warmup",
+                        "1", "--threads", "1"], ['"speedup_vs_eager": ']),
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_runs_at_smoke_size(tmp_path, script):
+    args, rows = CASES[script]
+    # One device: the training benchmark takes every device jax sees, and the suite's 8
+    # simulated ones would split its batch of 2. TMPDIR: what a script leaves behind shows.
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1", "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    missing = [row for row in rows if row not in proc.stdout]
+    assert not missing, f"{script} printed none of {missing}:\n{proc.stdout[-3000:]}"
+    # (torch makes its inductor cache directory there on its own)
+    assert [n for n in os.listdir(tmp_path) if not n.startswith("torchinductor_")] == [], "left in TMPDIR"
