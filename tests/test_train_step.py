@@ -92,3 +92,36 @@ def test_batch_not_divisible_is_refused(batch, devices, fix):
         check_batch_size(batch, devices)
     assert str(err.value) == f"`batch_size` (={batch}) must be divisible by the number of devices (={devices}); {fix}"
     check_batch_size(32, 8)
+
+
+def test_labels_outside_the_classes_make_the_loss_nan_where_torch_raises():
+    """Label -1 trained silently as the last class (optax indexes from the end), and a label of
+    num_classes gave a NaN loss whose gradient still updated the weights as if nothing was
+    wrong. torch raises IndexError for both; a jitted step cannot raise, so the loss is NaN."""
+    import jax.numpy as jnp
+    import torch
+
+    from jaxport.train import cross_entropy, make_eval_step
+
+    logits = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    good = np.array([0, 4, 2, 1])
+    want = torch.nn.functional.cross_entropy(torch.tensor(logits), torch.tensor(good), reduction="none").numpy()
+    np.testing.assert_allclose(cross_entropy(jnp.asarray(logits), jnp.asarray(good)), want, rtol=1e-6)
+    for bad in (-1, 5, -100):  # (torch skips -100, its default `ignore_index`; jaxport has none)
+        labels = np.array([0, bad, 2, 1])
+        if bad != -100:
+            with pytest.raises(IndexError):
+                torch.nn.functional.cross_entropy(torch.tensor(logits), torch.tensor(labels), reduction="none")
+        got = np.asarray(cross_entropy(jnp.asarray(logits), jnp.asarray(labels)))
+        assert np.isnan(got[1]) and np.allclose(got[[0, 2, 3]], want[[0, 2, 3]], rtol=1e-6), (bad, got)
+
+    mesh = make_mesh(jax.devices("cpu")[:2])
+    model = build("resnet18", num_classes=10)
+    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    tx = optim.sgd(0.1)
+    x, y = np.zeros((4, 16, 16, 3), np.float32), np.array([0, -1, 3, 9], np.int32)
+    _, metrics = make_train_step(model, tx, mesh)(create_state(variables, tx, mesh), *shard_batch(mesh, x, y))
+    assert np.isnan(float(metrics["loss"]))
+    ones = np.ones(4, np.float32)
+    got = make_eval_step(model, mesh)(variables, *shard_batch(mesh, x, y, ones))
+    assert np.isnan(float(got["loss_sum"])) and float(got["count"]) == 4

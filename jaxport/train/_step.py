@@ -110,9 +110,16 @@ def create_state(variables: dict, tx: optax.GradientTransformation, mesh: Mesh) 
 
 
 def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-example `torch.nn.functional.cross_entropy(..., reduction="none")`, in >= float32."""
+    """Per-example `torch.nn.functional.cross_entropy(..., reduction="none")`, in >= float32.
+
+    A label outside `[0, num_classes)` gives that example a NaN loss, where torch raises
+    IndexError (a jitted step cannot raise on values): -1 would otherwise index the last class
+    and train on it silently, and torch's `ignore_index` (-100) is not a convention here.
+    """
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), labels)
+    valid = (labels >= 0) & (labels < logits.shape[-1])
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), jnp.where(valid, labels, 0))
+    return jnp.where(valid, loss, jnp.nan)
 
 
 def _average_running_stats(batch_stats):
@@ -149,8 +156,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
     `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
     global batch must divide the device count. `metrics` holds the global mean `loss` and the
-    number of `correct` predictions, replicated. Whether BatchNorm is synchronised is the
-    model's `bn_axis_name` (`"data"` for SyncBatchNorm, None for per-device statistics).
+    number of `correct` predictions, replicated; a label outside `[0, num_classes)` makes the
+    loss NaN (see `cross_entropy`). Whether BatchNorm is synchronised is the model's
+    `bn_axis_name` (`"data"` for SyncBatchNorm, None for per-device statistics).
     """
     if model.bn_axis_name not in (None, AXIS):
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
