@@ -120,8 +120,10 @@ def test_labels_outside_the_classes_make_the_loss_nan_where_torch_raises():
     variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
     tx = optim.sgd(0.1)
     x, y = np.zeros((4, 16, 16, 3), np.float32), np.array([0, -1, 3, 9], np.int32)
-    _, metrics = make_train_step(model, tx, mesh)(create_state(variables, tx, mesh), *shard_batch(mesh, x, y))
+    state = create_state(variables, tx, mesh)
+    after, metrics = make_train_step(model, tx, mesh)(state, *shard_batch(mesh, x, y))
     assert np.isnan(float(metrics["loss"]))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(jax.device_get(after.params)))
     ones = np.ones(4, np.float32)
     got = make_eval_step(model, mesh)(variables, *shard_batch(mesh, x, y, ones))
     assert np.isnan(float(got["loss_sum"])) and float(got["count"]) == 4
