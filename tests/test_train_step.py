@@ -127,3 +127,26 @@ def test_labels_outside_the_classes_make_the_loss_nan_where_torch_raises():
     ones = np.ones(4, np.float32)
     got = make_eval_step(model, mesh)(variables, *shard_batch(mesh, x, y, ones))
     assert np.isnan(float(got["loss_sum"])) and float(got["count"]) == 4
+
+
+def test_a_state_the_step_has_consumed_is_refused():
+    """jaxlib crashed the process (SIGSEGV) when a donated state sharded over 2+ CPU devices
+    was passed to the step again: a plain mistake in a user's loop."""
+    mesh = make_mesh(jax.devices("cpu")[:2])
+    model = build("resnet18", num_classes=10)
+    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    tx = optim.sgd(0.1)
+    batch = shard_batch(mesh, np.zeros((4, 16, 16, 3), np.float32), np.zeros(4, np.int32))
+    step = make_train_step(model, tx, mesh)
+    state = create_state(variables, tx, mesh)
+    new, _ = step(state, *batch)
+    with pytest.raises(ConfigError, match=r"`state` was consumed by an earlier call of this step .*pass the state "
+                                          r"that call returned, or .*donate=False"):
+        step(state, *batch)
+    new, _ = step(new, *batch)  # the returned state goes on
+    assert int(new.step) == 2
+    assert step.lower(new, *batch) is not None  # the jitted step's methods stay reachable
+    keep = make_train_step(model, tx, mesh, donate=False)
+    state = create_state(variables, tx, mesh)
+    keep(state, *batch)
+    assert int(keep(state, *batch)[0].step) == 1

@@ -161,6 +161,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     whole state unchanged instead costs copies of the weights on every step: 35M -> 48-62M
     elements copied per ResNet-50 step with a `lax.cond` or selects.) Whether BatchNorm is synchronised is the model's
     `bn_axis_name` (`"data"` for SyncBatchNorm, None for per-device statistics).
+
+    With `donate` (the default) a call consumes `state`: its buffers become the new state's,
+    and passing it again is refused; `donate=False` keeps it, at the cost of a second copy of
+    the weights and optimizer state in memory.
     """
     if model.bn_axis_name not in (None, AXIS):
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
@@ -195,7 +199,28 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
         _check_batch(images, labels)
         return sharded(state, images, labels)
 
-    return jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=_options(mesh))
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=_options(mesh))
+    return _Donating(jitted) if donate else jitted
+
+
+class _Donating:
+    """A donating step that refuses a state it has already consumed. jaxlib 0.10 crashes the
+    process (SIGSEGV) when a donated array sharded over 2+ CPU devices is passed again, and on
+    one device raises a bare "Buffer has been deleted or donated"."""
+
+    def __init__(self, jitted: Callable):
+        self._jitted = jitted
+
+    def __call__(self, state: TrainState, images, labels):
+        step = getattr(state, "step", None)
+        if isinstance(step, jax.Array) and step.is_deleted():
+            raise ConfigError("`state` was consumed by an earlier call of this step (make_train_step donates it, so its "
+                              "buffers hold the next state): pass the state that call returned, or build the step "
+                              "with make_train_step(..., donate=False) to keep every state")
+        return self._jitted(state, images, labels)
+
+    def __getattr__(self, name: str):  # `lower`, `trace`, ... of the jitted step
+        return getattr(self._jitted, name)
 
 
 def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
