@@ -213,6 +213,24 @@ def test_digits_refuse_images_smaller_than_the_digits():
         _data.digits(7)
 
 
+@pytest.mark.parametrize("kwargs,named", [
+    ({"val_fraction": -0.1}, r"`val_fraction` \(=-0\.1\) must be a number between 0 and 1"),
+    ({"val_fraction": 1.0}, r"`val_fraction` \(=1\.0\) must be a number between 0 and 1"),
+    ({"val_fraction": "0.2"}, r"`val_fraction` \(='0\.2'\) must be a number"),
+    ({"image_size": "32"}, r"`image_size` \(='32'\) must be an integer >= 1"),
+    ({"image_size": 32.5}, r"`image_size` \(=32\.5\) must be an integer"),
+    ({"seed": 1.5}, r"`seed` \(=1\.5\) must be an integer")])
+def test_split_arguments_are_checked_by_both_datasets(tmp_path, kwargs, named):
+    """`digits(val_fraction=-0.1)` held out 1618 of the 1797 images (a negative slice), 1.0 left
+    none to train on, and a string size was a raw TypeError from deep in numpy."""
+    with pytest.raises(ConfigError, match=named):
+        _data.digits(**kwargs)
+    _images(tmp_path / "a", 4)
+    _images(tmp_path / "b", 4)
+    with pytest.raises(ConfigError, match=named):
+        _data.image_folder(str(tmp_path), **kwargs)
+
+
 def test_digits_are_sklearns_without_importing_sklearn(monkeypatch):
     """Importing sklearn took ~1.6 s of every digits run's start; its data file is read
     directly, and sklearn's own loader is the fallback where that file is not found."""
