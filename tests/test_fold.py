@@ -110,6 +110,15 @@ def test_fold_rejects_unknown_arch_and_missing_collections():
         models.fold_batchnorm({"params": _ported("resnet18")["params"]}, "resnet18")
 
 
+@pytest.mark.parametrize("epsilon", [-1.0, "1e-5", float("nan"), None])
+def test_fold_checks_epsilon(epsilon):
+    """A negative eps folded NaN kernels behind one numpy RuntimeWarning; a string was a raw
+    numpy UFuncTypeError."""
+    with pytest.raises(ConfigError, match=r"`epsilon` \(=.*\) must be a finite number >= 0 \(the BatchNorm's eps"):
+        models.fold_batchnorm(_ported("resnet18"), "resnet18", epsilon=epsilon)
+    assert models.fold_batchnorm(_ported("resnet18"), "resnet18", epsilon=0)["params"]  # torch allows eps=0
+
+
 def test_folded_model_refuses_train_mode():
     folded = models.fold_batchnorm(_ported("resnet18"), "resnet18")
     with pytest.raises(ConfigError, match="inference-only"):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Mapping
 import flax.linen as nn
 import numpy as np
 
+from .._args import finite
 from .._errors import ConfigError
 from ._grads import use_custom_vjps
 from ._resnet import ARCHS, ResNet, _ConvLeaf, build, check_arch
@@ -110,8 +111,8 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
       `{"params": ...}` of numpy arrays for `build_folded(arch, num_classes=...)`.
 
     Raises:
-      ConfigError: unknown `arch`, or variables that do not fit it (every missing and
-        unexpected path is listed).
+      ConfigError: unknown `arch`, an `epsilon` that is not a finite number >= 0, or variables
+        that do not fit it (every missing and unexpected path is listed).
 
     Example:
       >>> import jax, jax.numpy as jnp
@@ -124,6 +125,8 @@ def fold_batchnorm(variables: Mapping[str, Any], arch: str, *, epsilon: float = 
       True
     """
     check_arch(arch)
+    # A negative eps made NaN kernels behind one numpy warning; a string, a raw UFuncTypeError.
+    finite("epsilon", epsilon, minimum=0, hint=" (the BatchNorm's eps: torch's default is 1e-5)")
     if not isinstance(variables, Mapping) or "params" not in variables or "batch_stats" not in variables:
         found = list(variables) if isinstance(variables, Mapping) else type(variables).__name__
         raise ConfigError(f"`variables` must hold 'params' and 'batch_stats' of a ResNet, got {found}")
