@@ -292,7 +292,9 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
     Raises:
       ConfigError: `path` ends in a path separator (it names a directory), is a directory, or
         exists and is not a regular file (a device such as /dev/null, a FIFO, a socket), which
-        the atomic rename would replace; nothing is written.
+        the atomic rename would replace; a key is not a non-empty string without '/'; an array's
+        dtype is one `load_variables` cannot read (float8, complex, object); or `metadata` is not
+        strings. Nothing is written.
       OSError: the file cannot be written (no space, no permission), naming `path`.
     """
     if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
@@ -305,13 +307,37 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
         raise TypeError(f"`variables` is {type(variables).__module__}.{type(variables).__qualname__}; expected Flax "
                         "variables, nested dicts of arrays such as {'params': ..., 'batch_stats': ...}")
     path = Path(path)
+    _check_keys(variables, "")
     # not np.ascontiguousarray: it turns 0-d arrays (num_batches_tracked) into 1-d ones
     flat = {k: np.asarray(v, order="C") for k, v in flatten(variables).items()}
+    # Checked before writing: such a file was written, then refused by `load_variables`.
+    readable = set(map(np.dtype, _DTYPES.values()))
+    odd = [f"{k} ({a.dtype})" for k, a in flat.items() if a.dtype not in readable]
+    if odd:
+        raise ConfigError(f"`variables` holds {len(odd)} array(s) of a dtype a variables file cannot hold "
+                          f"({', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''}); it holds floats (float16, "
+                          "bfloat16, float32, float64), integers and bools: cast those first, e.g. .astype(np.float32)")
+    if metadata is not None and not (isinstance(metadata, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise ConfigError(f"`metadata` (={metadata!r}) must map strings to strings (the safetensors header holds "
+                          "text), e.g. metadata={'step': str(step)}")
     meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
     # the data plus a generous bound on the JSON header (~100 bytes per tensor)
     with atomic_path(path, nbytes=sum(a.nbytes for a in flat.values()) + 100 * len(flat) + 4096) as tmp:
         safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
     return path
+
+
+def _check_keys(tree: Mapping[str, Any], where: str) -> None:
+    """A key with `/` came back from the file as a deeper tree (`{"a/b": x}` as `{"a": {"b": x}}`),
+    and an empty one as a path `load_variables` cannot split back."""
+    for k, v in tree.items():
+        if not isinstance(k, str) or not k or "/" in k:
+            raise ConfigError(f"`variables` key {k!r} (under {where or 'the top level'}) must be a non-empty string "
+                              "without '/': the file joins the keys into paths with '/', so it would come back as "
+                              "another tree; rename it")
+        if isinstance(v, Mapping):
+            _check_keys(v, f"{where}/{k}" if where else k)
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:

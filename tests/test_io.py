@@ -39,6 +39,24 @@ def test_round_trip_is_bit_exact_with_metadata(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # umask permissions, not mkstemp's 0600
 
 
+@pytest.mark.parametrize("variables,named", [
+    ({"params": {"a": ml_dtypes.float8_e4m3fn(1) * np.ones(2, ml_dtypes.float8_e4m3fn)}}, r"params/a \(float8_e4m3fn\)"),
+    ({"params": {"a": np.ones(2, np.complex64)}}, r"params/a \(complex64\)"),
+    ({"params": {"a": None}}, r"params/a \(object\)"),
+    ({"params": {"fc/bias": np.ones(2, np.float32)}}, r"key 'fc/bias' \(under params\) must be a non-empty string"),
+    ({"params": {"": np.ones(2, np.float32)}}, r"key '' \(under params\)"),
+    ({"params": {0: np.ones(2, np.float32)}}, r"key 0 \(under params\)")])
+def test_save_refuses_what_the_file_would_not_give_back(tmp_path, variables, named):
+    """Such variables were written, then refused by `load_variables` (float8, complex, None) or
+    read back as another tree (`fc/bias` became `fc` -> `bias`)."""
+    path = tmp_path / "v.safetensors"
+    with pytest.raises(jaxport.ConfigError, match=named):
+        jaxport.save_variables(path, variables)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(jaxport.ConfigError, match=r"`metadata` \(=\{'step': 3\}\) must map strings to strings"):
+        jaxport.save_variables(path, {"a": np.ones(2)}, metadata={"step": 3})  # was safetensors' TypeError
+
+
 def test_failed_save_keeps_the_old_file(tmp_path):
     path = jaxport.save_variables(tmp_path / "v.safetensors", _variables(), arch="resnet18")
     before = path.read_bytes()
