@@ -285,3 +285,50 @@ def test_a_signal_ends_the_wait_for_the_other_processes(tmp_path, signum):
     assert time.monotonic() - t0 < 10
     assert err.startswith("jaxport: interrupted") and err.count("\n") == 1, err
     assert "while waiting for the 2 processes to connect to the coordinator at 127.0.0.1:" in err, err
+
+
+_CONNECT_AND_DIE = """
+import os, sys
+import jax
+jax.distributed.initialize(sys.argv[1], 2, 1)
+os._exit(0)  # gone before a single heartbeat of jaxport's watcher
+"""
+
+
+@pytest.mark.slow
+def test_a_process_gone_before_its_first_heartbeat_is_named(tmp_path):
+    """A process that connected and died before its watcher's first heartbeat (killed while the
+    others were still connecting) was never taken for gone: process 0 waited in its first
+    collective until jax aborted it in C++ after ~100 s."""
+    port = _free_port()
+    zero = subprocess.Popen([sys.executable, "-m", "jaxport", "train", "--workdir", str(tmp_path / "w"), *ARGS,
+                             "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", "0"],
+                            env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    one = subprocess.run([sys.executable, "-c", _CONNECT_AND_DIE, f"127.0.0.1:{port}"], env=_env(2),
+                         capture_output=True, text=True, timeout=120)
+    t0 = time.time()
+    _, err = zero.communicate(timeout=200)
+    assert one.returncode == 0, one.stderr[-2000:]
+    _clean_stop([(zero.returncode, err)], r"(?m)^jaxport: error: process 1 stopped responding \(no heartbeat")
+    assert time.time() - t0 < 45
+
+
+def _launch(tmp_path, per_process, timeout=300):
+    """Processes 0 and 1 with `ARGS` and each its own flags and device count: (returncode, stderr)."""
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", "--workdir", "w", *ARGS, "--coordinator",
+                               f"127.0.0.1:{port}", "--process-id", str(i), *extra], env=_env(devices), cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, (devices, extra) in enumerate(per_process)]
+    return [(p.returncode, err) for p, (_, err) in zip(procs, [p.communicate(timeout=timeout) for p in procs])]
+
+
+@pytest.mark.slow
+def test_processes_told_different_counts_are_refused(tmp_path):
+    """Told 2 and 3 processes, processes 0 and 1 trained as a run of 2 (process 2, if started,
+    is aborted by jax). Given 1 and 2 devices, both died of an internal reshape error."""
+    _clean_stop(_launch(tmp_path, [(2, ["--num-processes", "2"]), (2, ["--num-processes", "3"])]),
+                r"different settings \(--num-processes: 2 on process 0, 3 on process 1\)")
+    _clean_stop(_launch(tmp_path, [(1, ["--num-processes", "2"]), (2, ["--num-processes", "2"])]),
+                r"every process must have the same number of devices, and they have 1 on process 0, 2 on process 1")
+    assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())

@@ -237,6 +237,14 @@ def check_same_settings(settings: dict) -> None:
     """
     if jax.process_count() == 1:
         return
+    # Known to every process without a collective, and needed by the one below: with 1 device
+    # on one process and 3 on the other, the exchange failed with an internal reshape error.
+    per_process = [sum(d.process_index == i for d in jax.devices()) for i in range(jax.process_count())]
+    if len(set(per_process)) > 1:
+        counts = ", ".join(f"{n} on process {i}" for i, n in enumerate(per_process))
+        raise _everywhere(f"every process must have the same number of devices, and they have {counts}; give each "
+                          "process as many (e.g. the same CUDA_VISIBLE_DEVICES count or JAX_NUM_CPU_DEVICES) "
+                          "(nothing was trained)")
     mine = json.dumps(settings, sort_keys=True, default=str).encode()
     every = [json.loads(b) for b in _allgather_bytes(mine)]
     if all(s == every[0] for s in every):
@@ -328,6 +336,18 @@ def _client():
     return distributed.global_state.client
 
 
+def _layout() -> tuple[int, int]:
+    """(this process's index, the number of processes) from the coordination service, without
+    touching a backend: jax builds its CPU backend with an exchange between all the processes,
+    which blocks for good when one died after connecting, so the watcher must not need it."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None:
+        return 0, 1
+    return int(state.process_id), int(state.num_processes)
+
+
 def _senders(client, prefix: str) -> set[int]:
     return {int(key.rsplit("/", 1)[1]) for key, _ in client.key_value_dir_get(prefix)}
 
@@ -338,7 +358,7 @@ def _exit_together(client, code: int, gone: frozenset[int] = frozenset()) -> Non
     not wait for the processes `gone` (killed: they will never say they exit)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    me, n = jax.process_index(), jax.process_count()
+    me, n = _layout()
     if me != 0:
         with contextlib.suppress(Exception):
             client.key_value_set(_EXITING + str(me), "1")
@@ -361,10 +381,11 @@ def watch_for_failures() -> None:
     outright: SIGKILL, out of memory, a lost machine). When process 0 itself is killed, the
     coordination service goes with it and jax aborts the others at once, with its own message:
     nothing in Python runs first."""
-    if jax.process_count() == 1 or _watch["started"]:
+    me, count = _layout()
+    if count == 1 or _watch["started"]:
         return
     _watch["started"] = True
-    client, me = _client(), jax.process_index()
+    client = _client()
 
     def stop(message: str, gone: frozenset[int] = frozenset()) -> None:
         print(f"\njaxport: error: {message}", file=sys.stderr, flush=True)
@@ -372,7 +393,12 @@ def watch_for_failures() -> None:
 
     def loop():
         beats = 0
-        seen: dict[int, tuple[str, float]] = {}  # process -> (its last heartbeat, when it changed here)
+        # process -> (its last heartbeat, when it changed here). Every other process starts as
+        # seen now: one that connected and then died before its first heartbeat (killed while
+        # the others were still connecting) was never taken for gone, and jax aborted the rest
+        # in C++ after ~100 s. The watchers all start as `initialize` returns, within a second.
+        start = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {p: ("", start) for p in range(count) if p != me}
         while not _watch["finished"]:
             beats += 1
             try:
@@ -458,7 +484,7 @@ def publish_failure(error: BaseException) -> None:
         if not isinstance(error, JaxportError):
             text = f"{type(error).__name__}: {text}"
     try:
-        _client().key_value_set(_FAILED + str(jax.process_index()), text[:2000])
+        _client().key_value_set(_FAILED + str(_layout()[0]), text[:2000])
     except Exception:  # noqa: BLE001 - best effort: the others then stop at jax's timeouts
         return
     _watch["published"] = True

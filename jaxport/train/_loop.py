@@ -233,7 +233,7 @@ def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", "seed", "sync_bn",
-              "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices")
+              "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
