@@ -332,3 +332,60 @@ def test_processes_told_different_counts_are_refused(tmp_path):
     _clean_stop(_launch(tmp_path, [(1, ["--num-processes", "2"]), (2, ["--num-processes", "2"])]),
                 r"every process must have the same number of devices, and they have 1 on process 0, 2 on process 1")
     assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
+
+
+_SLURM = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2", "SLURM_PROCID": "0",
+          "SLURM_LOCALID": "0"}
+
+
+def test_a_cluster_launch_is_what_jax_can_set_up(monkeypatch):
+    """`SLURM_NTASKS` alone (a shell inside an allocation) or `JOBSET_NAME` alone was taken for a
+    launch of several processes, and jax failed: "internal error (ValueError: coordinator_address
+    should be defined.)". Those now train as one process; a full launch is still detected."""
+    from jaxport.train import _distributed
+
+    for var in ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID",
+                "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME", "KUBERNETES_SERVICE_HOST"):
+        monkeypatch.delenv(var, raising=False)
+    for partial in ({"SLURM_NTASKS": "2", "SLURM_JOB_ID": "1", "SLURM_NODELIST": "localhost"}, {"JOBSET_NAME": "x"},
+                    {"OMPI_COMM_WORLD_SIZE": "2"}, {**_SLURM, "SLURM_NTASKS": "1"}):
+        with monkeypatch.context() as m:
+            for k, v in partial.items():
+                m.setenv(k, v)
+            assert not _distributed.requested(None, None, None), partial
+    for k, v in _SLURM.items():
+        monkeypatch.setenv(k, v)
+    assert _distributed._cluster() == "SLURM (SLURM_NTASKS=2)"
+
+
+_CLUSTER_WAIT = """
+import sys
+from jaxport.train import _distributed
+_distributed.initialize(connect_timeout_s=float(sys.argv[1]))
+print("connected")
+"""
+
+
+@pytest.mark.parametrize("signum", [None, signal.SIGINT])
+def test_a_cluster_launch_whose_others_never_come_ends_with_one_line(tmp_path, signum):
+    """Task 0 of a SLURM launch whose task 1 never started ignored Ctrl-C and SIGTERM, then
+    aborted in C++ after 306 s ("RPC: .../RegisterTask *** Check failure stack trace ***")."""
+    port = _free_port()
+    env = {**_env(1), **_SLURM, "JAX_COORDINATOR_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-c", _CLUSTER_WAIT, "60" if signum else "4"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if signum:
+            time.sleep(6)  # into jax's connect
+            proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert "connected" not in out and "Check failure" not in err and "Traceback" not in err, err
+    if signum:
+        assert proc.returncode == 128 + signum, err
+        assert "jaxport: interrupted while waiting for the processes of this SLURM (SLURM_NTASKS=2) launch" in err
+    else:
+        assert proc.returncode == 2, err
+        assert re.search(r"^jaxport: error: the processes did not all connect to the coordinator at the address "
+                         r"SLURM \(SLURM_NTASKS=2\) gives within 4 s: start one process per task", err, re.M), err

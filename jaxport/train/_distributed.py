@@ -18,20 +18,36 @@ import numpy as np
 
 from .._errors import ConfigError, JaxportError
 
-# Environment variables that mean "launched as one of several processes" for the cluster kinds
-# jax.distributed auto-detects (SLURM, Open MPI, Kubernetes/JobSet).
-_CLUSTER_ENV = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "JOBSET_NAME")
+# What jax.distributed's auto-detection needs to find each kind of launch (its clusters/*.py),
+# and the variable holding the number of processes. A variable alone was taken for a launch
+# that jax then could not set up: `SLURM_NTASKS` in a shell inside an allocation (no task of a
+# step) or `JOBSET_NAME` outside Kubernetes ended in "coordinator_address should be defined".
+_CLUSTERS = {
+    "SLURM": (("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"),
+              "SLURM_NTASKS"),
+    "Open MPI": (("OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"), "OMPI_COMM_WORLD_SIZE"),
+    "Kubernetes (JobSet)": (("JOBSET_NAME", "KUBERNETES_SERVICE_HOST"), None),
+}
+
+
+def _cluster() -> str | None:
+    """The kind of cluster launch of several processes this process belongs to, if any, e.g.
+    "SLURM (SLURM_NTASKS=2)"."""
+    for kind, (needed, count) in _CLUSTERS.items():
+        if not all(var in os.environ for var in needed):
+            continue
+        if count is None:
+            return kind
+        try:
+            if int(os.environ[count]) > 1:
+                return f"{kind} ({count}={os.environ[count]})"
+        except ValueError:
+            continue
+    return None
 
 
 def _in_cluster() -> bool:
-    for var in _CLUSTER_ENV:
-        value = os.environ.get(var)
-        if value is not None:
-            try:
-                return int(value) > 1
-            except ValueError:
-                return True  # a JobSet name
-    return False
+    return _cluster() is not None
 
 
 # jax.distributed.initialize's own default: how long a process waits for the others.
@@ -41,10 +57,15 @@ _JAX_TIMEOUT_MARGIN_S = 30
 EXIT_NOT_CONNECTED = 2
 
 
-def _give_up(coordinator: str, num_processes: int, timeout_s: float, pending: Exception | None = None) -> None:
+def _give_up(coordinator: str, num_processes: int | str, timeout_s: float, pending: Exception | None = None) -> None:
     if pending is not None:  # connecting only to tell the others about this error
         print(f"jaxport: error: {pending} (the other processes did not all connect within {timeout_s:g} s to be "
               "told)", file=sys.stderr, flush=True)
+        os._exit(EXIT_NOT_CONNECTED)
+    if num_processes == "launched":  # by a cluster's launcher: its environment says who and where
+        print(f"jaxport: error: the processes did not all connect to the coordinator at {coordinator} within "
+              f"{timeout_s:g} s: start one process per task with the launcher (srun, mpirun)", file=sys.stderr,
+              flush=True)
         os._exit(EXIT_NOT_CONNECTED)
     print(f"jaxport: error: the {num_processes} processes did not all connect to the coordinator at {coordinator} "
           f"within {timeout_s:g} s: start every process (--process-id 0 to {num_processes - 1}) with the same "
@@ -199,10 +220,25 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         finally:
             watchdog.cancel()
         return True
-    if _in_cluster():
-        jax.distributed.initialize()
-        return True
-    return False
+    launch = _cluster()
+    if launch is None:
+        return False
+    # The same protections as above: one line instead of jax's C++ abort when the others never
+    # come, and Ctrl-C or SIGTERM end the wait.
+    watchdog = threading.Timer(connect_timeout_s, _give_up, (f"the address {launch} gives", "launched",
+                                                             connect_timeout_s, pending_error))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        with _signals_end_the_wait(f"while waiting for the processes of this {launch} launch to connect"):
+            jax.distributed.initialize(initialization_timeout=int(connect_timeout_s) + _JAX_TIMEOUT_MARGIN_S)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"launched as one of several processes by {launch}, but jax could not set the run up from "
+                          f"its environment ({str(e).strip().splitlines()[0]}); start one process per task with the "
+                          "launcher (srun, mpirun), or pass --coordinator, --num-processes and --process-id") from None
+    finally:
+        watchdog.cancel()
+    return True
 
 
 def _allgather_bytes(data: bytes) -> list[bytes]:
