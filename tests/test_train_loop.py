@@ -595,6 +595,29 @@ def test_init_says_whether_the_head_is_kept_and_nothing_before_a_misfit():
     assert said == [], said
 
 
+def test_a_workdir_another_run_is_writing_is_refused(tmp_path):
+    """Two runs started together into one empty workdir both passed the check for an earlier
+    run's files, trained side by side, and both died at their first checkpoint (FileExistsError
+    on each other's temporary directory), all their work lost."""
+    import fcntl
+
+    work = tmp_path / "w"
+    work.mkdir()
+    cfg = TrainConfig(workdir=str(work), image_size=16, batch_size=64, epochs=1, max_steps=1, progress=False,
+                      devices=1)
+    fd = os.open(work, os.O_RDONLY)  # what the other run holds while it trains
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConfigError, match=r"`--workdir` \(=\S+w\) is in use by another `jaxport train` run on "
+                                              r"this machine; wait for it to end .*nothing was written"):
+            train(cfg)
+    finally:
+        os.close(fd)
+    assert list(work.iterdir()) == []
+    assert train(cfg)["steps_run"] == 1  # once it has ended
+    assert train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 2}))["steps_run"] == 1  # released
+
+
 def test_bad_data_directories(tmp_path):
     with pytest.raises(ConfigError, match=r"`--data` \(=.*missing\) is not a directory"):
         train(TrainConfig(workdir=str(tmp_path / "w"), data=str(tmp_path / "missing")))

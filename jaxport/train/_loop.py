@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import math
@@ -524,19 +525,42 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
         invalid = e  # the other processes are waiting for this one to connect: tell them first
     _distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id, pending_error=invalid)
     _distributed.watch_for_failures()
+    held: list[int] = []  # the workdir's lock, while this run writes there
     try:
         if invalid is not None:
             raise invalid
-        return _train(cfg, log)
+        return _train(cfg, log, held)
     except Interrupted:  # every process stops at the same step (jax's preemption sync point)
         raise
     except BaseException as e:
         _distributed.await_lost_process(e)  # a collective lost its peer: name the process that died
         _distributed.publish_failure(e)  # the others would wait for this one in a collective
         raise
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
-def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
+def _hold_workdir(workdir: str) -> int | None:
+    """An exclusive lock on the workdir for as long as this run writes in it (released when the
+    process ends, even by SIGKILL). Two runs started together into one empty workdir both
+    passed the check for an earlier run's files, trained side by side, and both died at their
+    first checkpoint on each other's temporary directories, all their work lost."""
+    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"`--workdir` (={workdir}) is in use by another `jaxport train` run on this machine; wait "
+                          "for it to end (then --resume continues it), or choose another --workdir (nothing was "
+                          "written)") from None
+    except OSError:  # a file system without locks: the check for an earlier run's files remains
+        os.close(fd)
+        return None
+    return fd
+
+
+def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int]) -> dict:
     lead = jax.process_index() == 0
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     say = log if lead else (lambda msg: None)
@@ -618,6 +642,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None) -> dict:
     evaluate = make_eval_step(model, mesh)
 
     os.makedirs(cfg.workdir, exist_ok=True)
+    if lead:  # process 0 writes for the whole run; the others share its lock
+        held += [fd for fd in [_hold_workdir(cfg.workdir)] if fd is not None]
     _distributed.check_shared_workdir(cfg.workdir)
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
     if lead:  # what a SIGKILL during an earlier run's metrics, plot or variables write left
