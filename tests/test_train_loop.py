@@ -749,8 +749,7 @@ def test_the_failure_watcher_is_stopped_and_joined_before_jax_shuts_down(monkeyp
     hooks = []
     monkeypatch.setattr(_distributed, "_client", lambda: client)
     monkeypatch.setattr(_distributed, "_watch", {"started": False, "published": False, "finished": False})
-    monkeypatch.setattr(jax, "process_count", lambda: 2)
-    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    monkeypatch.setattr(_distributed, "_layout", lambda: (0, 2))  # process 0 of 2
     monkeypatch.setattr(atexit, "register", hooks.append)
     before = set(threading.enumerate())
     _distributed.watch_for_failures()
