@@ -150,3 +150,34 @@ def test_a_state_the_step_has_consumed_is_refused():
     state = create_state(variables, tx, mesh)
     keep(state, *batch)
     assert int(keep(state, *batch)[0].step) == 1
+
+
+def test_the_step_builders_name_what_is_wrong_with_their_arguments():
+    """Each was a raw error naming none of the arguments: jax's "Resource axis: data of
+    P('data',) is not found in mesh", an AttributeError on `bn_axis_name`, KeyError: 'params', an
+    empty Mesh(), and "use 4.0 or 2.0" for a batch of 2.5."""
+    from jax.sharding import Mesh
+
+    from jaxport.train import make_eval_step
+
+    model = build("resnet18", num_classes=10)
+    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    tx = optim.sgd(0.1)
+    other = Mesh(np.asarray(jax.devices("cpu")[:2]), ("batch",))
+    for call in (lambda: make_train_step(model, tx, other), lambda: make_eval_step(model, other),
+                 lambda: create_state(variables, tx, other)):
+        with pytest.raises(ConfigError, match=r"`mesh` \(axes \('batch',\)\) must be a jax Mesh with an axis named "
+                                              r"'data'.*make_mesh\(devices\)"):
+            call()
+    mesh = make_mesh(jax.devices("cpu")[:2])
+    with pytest.raises(ConfigError, match=r"`model` \(=<function resnet18.*\) must be a Flax module instance"):
+        make_train_step(build.__globals__["resnet18"], tx, mesh)
+    with pytest.raises(ConfigError, match=r"`variables` \(holding \['bn1', 'conv1', 'fc', 'layer1', 'layer2'\]\) "
+                                          r"must be Flax variables"):
+        create_state(variables["params"], tx, mesh)
+    with pytest.raises(ConfigError, match=r"`devices` \(=\[\]\) is empty"):
+        make_mesh([])
+    for bad in (2.5, 4.0, "8", 0):
+        with pytest.raises(ConfigError, match=rf"`batch_size` \(={bad!r}\) must be an integer >= 1"):
+            check_batch_size(bad, 2)
+    check_batch_size(np.int64(4), 2)

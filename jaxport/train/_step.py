@@ -16,7 +16,7 @@ Semantics (torch's DistributedDataParallel / DataParallel, one replica per devic
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax
 import flax.linen as nn
@@ -27,6 +27,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from .._args import is_int
 from .._errors import ConfigError
 from .._xla import compiler_options
 
@@ -51,7 +52,23 @@ def make_mesh(devices: list | None = None) -> Mesh:
     """A 1-D mesh named `data` over `devices` (default: every device of every process)."""
     if devices is None:
         return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(AxisType.Auto,))
+    devices = list(devices)
+    if not devices:  # an empty Mesh() was returned, and failed later without naming this
+        raise ConfigError("`devices` (=[]) is empty; pass some of jax.devices(), or None for all of them")
     return Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
+
+
+def _check_mesh_and_model(mesh: Mesh, model: Any = None) -> None:
+    """A user-built mesh with another axis name failed in jax ("Resource axis: data of
+    P('data',) is not found in mesh"); a model constructor instead of a model, with an
+    AttributeError on `bn_axis_name`."""
+    if not isinstance(mesh, Mesh) or AXIS not in mesh.axis_names:
+        found = f"axes {mesh.axis_names}" if isinstance(mesh, Mesh) else type(mesh).__name__
+        raise ConfigError(f"`mesh` ({found}) must be a jax Mesh with an axis named {AXIS!r}, which the batch is split "
+                          "along; build it with jaxport.train.make_mesh(devices)")
+    if model is not None and not isinstance(model, nn.Module):
+        raise ConfigError(f"`model` (={model!r}) must be a Flax module instance, e.g. models.resnet18(num_classes=10) "
+                          "or models.build(arch, num_classes=...), not the function that builds one")
 
 
 def check_batch_size(batch_size: int, num_devices: int, name: str = "batch_size") -> None:
@@ -61,8 +78,8 @@ def check_batch_size(batch_size: int, num_devices: int, name: str = "batch_size"
       ConfigError: e.g. "`batch_size` (=30) must be divisible by the number of devices (=8);
         use 32 or 24".
     """
-    if batch_size < 1:
-        raise ConfigError(f"`{name}` (={batch_size}) must be >= 1")
+    if not is_int(batch_size) or batch_size < 1:  # 2.5 was answered "use 4.0 or 2.0"
+        raise ConfigError(f"`{name}` (={batch_size!r}) must be an integer >= 1")
     if batch_size % num_devices:
         down, up = batch_size // num_devices * num_devices, (batch_size // num_devices + 1) * num_devices
         fix = f"use {up} or {down}" if down else f"use {up}"
@@ -101,6 +118,11 @@ def shard_batch(mesh: Mesh, *local: np.ndarray) -> tuple[jax.Array, ...]:
 
 def create_state(variables: dict, tx: optax.GradientTransformation, mesh: Mesh) -> TrainState:
     """A replicated TrainState at step 0 from Flax variables `{"params", "batch_stats"}`."""
+    if not isinstance(variables, Mapping) or "params" not in variables:  # was a bare KeyError: 'params'
+        found = sorted(variables)[:5] if isinstance(variables, Mapping) else type(variables).__name__
+        raise ConfigError(f"`variables` (holding {found}) must be Flax variables {{'params': ..., 'batch_stats': "
+                          "...}}, as model.init or torch_compat.torch_to_flax return them")
+    _check_mesh_and_model(mesh)
     params = jax.tree.map(np.asarray, variables["params"])
     batch_stats = jax.tree.map(np.asarray, variables.get("batch_stats", {}))
     opt_state = jax.jit(tx.init)(params)
@@ -166,6 +188,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     and passing it again is refused; `donate=False` keeps it, at the cost of a second copy of
     the weights and optimizer state in memory.
     """
+    _check_mesh_and_model(mesh, model)
     if model.bn_axis_name not in (None, AXIS):
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
 
@@ -229,6 +252,7 @@ def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
     `mask` (1 for real examples, 0 for padding) lets the last, partial batch be padded to a
     multiple of the device count.
     """
+    _check_mesh_and_model(mesh, model)
 
     def local(variables, images, labels, mask):
         logits = model.apply(variables, images, train=False)
