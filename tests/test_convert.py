@@ -474,3 +474,24 @@ def test_variables_without_counters_export_as_torchvision_state_dict():
     assert len(counters) == 20
     for k, v in counters.items():
         assert v.dtype == torch.int64 and v.shape == () and v.item() == 0, (k, v)
+
+
+def test_lazily_negated_tensors_convert_and_arch_can_be_left_to_detection():
+    """A tensor with torch's negative bit (`torch._neg_view`, what some graph rewrites leave)
+    failed with torch's "Can't call numpy() on Tensor that has negative bit set", and
+    `flax_to_torch(variables, None)` said "`arch` (=None) is not a known architecture"."""
+    state_dict = reference("resnet18").state_dict()
+    lazy = dict(state_dict)
+    for key in ("conv1.weight", "layer1.0.conv1.weight", "layer4.0.conv2.weight", "fc.weight", "bn1.running_mean"):
+        lazy[key] = torch._neg_view(-state_dict[key])
+        assert lazy[key].is_neg()
+    want, got = torch_compat.torch_to_flax(state_dict), torch_compat.torch_to_flax(lazy)
+    flat_want, flat_got = jax.tree_util.tree_leaves_with_path(want), jax.tree_util.tree_leaves_with_path(got)
+    assert [p for p, _ in flat_want] == [p for p, _ in flat_got]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(flat_want, flat_got))
+    back = torch_compat.flax_to_torch(want)  # the architecture detected from the kernels
+    torchvision.models.resnet18(num_classes=len(back["fc.bias"])).load_state_dict(back, strict=True)
+    assert all(torch.equal(back[k], v) for k, v in state_dict.items())
+    with pytest.raises(ConversionError, match=r"`arch` is None and the variables' kernels look like no torchvision "
+                                              r"ResNet; pass arch="):
+        torch_compat.flax_to_torch({"params": {"a": np.ones(3)}})

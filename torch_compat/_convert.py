@@ -479,6 +479,9 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
+    # A lazily negated or conjugated view (`torch._neg_view`, `.conj()`) has no numpy form
+    # ("Can't call numpy() on Tensor that has negative bit set"): materialise it.
+    t = t.resolve_neg().resolve_conj()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
@@ -662,7 +665,7 @@ def _cast(key: str, t: Any, dtype: torch.dtype | None) -> Any:
     return out
 
 
-def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, torch.Tensor]":
+def flax_to_torch(variables: Mapping[str, Any], arch: str | None = None) -> "OrderedDict[str, torch.Tensor]":
     """A torchvision state_dict (loadable with `strict=True`) from Flax ResNet variables.
 
     Bit-exact inverse of `torch_to_flax`: dtypes are kept and `num_batches_tracked` comes back
@@ -671,15 +674,22 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str) -> "OrderedDict[str, 
     Args:
       variables: `{"params": ..., "batch_stats": ...}` of a `jaxport.models` ResNet (numpy or
         jax arrays).
-      arch: the torchvision architecture name.
+      arch: the torchvision architecture name; None detects it from the kernels' shapes, as
+        `torch_to_flax` does from a state_dict's.
 
     Raises:
-      ConversionError: listing every missing, unexpected and wrong-shape variable.
+      ConversionError: listing every missing, unexpected and wrong-shape variable; or `arch` is
+        None and the variables look like no ResNet.
     """
     if not isinstance(variables, Mapping):
         raise ConversionError(f"`variables` is {type(variables).__module__}.{type(variables).__qualname__}, not "
                               "Flax variables: pass {'params': ..., 'batch_stats': ...}, e.g. jaxport.load_variables(path)")
     flat = flatten(variables)
+    if arch is None:  # was "`arch` (=None) is not a known architecture"
+        arch = variables_look_like(flat)
+        if arch is None:
+            raise ConversionError("`arch` is None and the variables' kernels look like no torchvision ResNet; pass "
+                                  f"arch= (one of {', '.join(ARCHS)})")
     entries = _check_flat_variables(flat, arch)
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
     for e in entries:
