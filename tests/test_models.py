@@ -203,3 +203,23 @@ def test_empty_train_mode_batch_passes_through_like_torch(custom_vjps):
     for key, value in ref.state_dict().items():
         np.testing.assert_array_equal(back[key].numpy(), value.numpy(), err_msg=key)
     assert int(ref.state_dict()["bn1.num_batches_tracked"]) == 1
+
+
+@pytest.mark.parametrize("custom_vjps", [True, False])
+def test_batchnorm_momentum_none_is_torchs_cumulative_average(x64, custom_vjps):
+    """torch's `BatchNorm2d(momentum=None)` averages every batch seen equally; jaxport's
+    `BatchNorm(momentum=None)` was a TypeError (`int - NoneType`)."""
+    rng = np.random.default_rng(0)
+    theirs = torch.nn.BatchNorm2d(3, momentum=None).double().train()
+    bn = models.BatchNorm(momentum=None, param_dtype=jnp.float64, custom_vjps=custom_vjps)
+    variables = bn.init(jax.random.key(0), jnp.zeros((1, 4, 4, 3), jnp.float64))
+    for step in range(3):
+        x = rng.standard_normal((4, 5, 5, 3)) * (step + 1) + step
+        want = theirs(torch.tensor(x.transpose(0, 3, 1, 2))).detach().numpy().transpose(0, 2, 3, 1)
+        got, updates = bn.apply(variables, jnp.asarray(x), train=True, mutable=["batch_stats"])
+        variables = {"params": variables["params"], **updates}
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        stats = variables["batch_stats"]
+        np.testing.assert_allclose(stats["mean"], theirs.running_mean.numpy(), rtol=1e-12)
+        np.testing.assert_allclose(stats["var"], theirs.running_var.numpy(), rtol=1e-12)
+        assert int(stats["num_batches_tracked"]) == int(theirs.num_batches_tracked) == step + 1

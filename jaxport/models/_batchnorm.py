@@ -31,7 +31,8 @@ class BatchNorm(nn.Module):
     Statistics are computed in at least float32 whatever the input dtype.
 
     Attributes:
-      momentum: torch's momentum (0.1), i.e. flax's `1 - momentum`.
+      momentum: torch's momentum (0.1), i.e. flax's `1 - momentum`; None is torch's cumulative
+        average, `1 / num_batches_tracked` (counted after this batch).
       epsilon: torch's eps.
       axis_name: if set, batch statistics are averaged over this mesh axis (SyncBatchNorm);
         every device must hold the same number of examples.
@@ -42,7 +43,7 @@ class BatchNorm(nn.Module):
         None (default): True when jax's default backend is the CPU, as `ResNet`'s.
     """
 
-    momentum: float = 0.1
+    momentum: float | None = 0.1
     epsilon: float = 1e-5
     axis_name: str | None = None
     zero_scale: bool = False
@@ -106,7 +107,9 @@ class BatchNorm(nn.Module):
 
     def _update_running(self, ra_mean, ra_var, count, mean, var, n):
         """torch's update: biased batch variance normalises, the unbiased one is stored."""
-        m = self.momentum
+        # momentum None: torch's cumulative average (was `int - NoneType` from deep in the update)
+        m = self.momentum if self.momentum is not None else \
+            1.0 / (count.value + 1).astype(jnp.promote_types(ra_mean.value.dtype, jnp.float32))
         unbiased = var * (n / max(n - 1, 1)) if isinstance(n, int) else var * n / jnp.maximum(n - 1, 1)
         # Keep the stored dtype (float64 weights stay float64), not param_dtype.
         ra_mean.value = ((1 - m) * ra_mean.value + m * mean).astype(ra_mean.value.dtype)
