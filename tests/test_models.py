@@ -223,3 +223,35 @@ def test_batchnorm_momentum_none_is_torchs_cumulative_average(x64, custom_vjps):
         np.testing.assert_allclose(stats["mean"], theirs.running_mean.numpy(), rtol=1e-12)
         np.testing.assert_allclose(stats["var"], theirs.running_var.numpy(), rtol=1e-12)
         assert int(stats["num_batches_tracked"]) == int(theirs.num_batches_tracked) == step + 1
+
+
+def test_variables_that_do_not_fit_the_model_are_named():
+    """A resnet34's variables given to a resnet18 ran silently on part of them (flax ignores
+    extra parameters); the other mismatches were flax's errors, naming one path and none of the
+    model's arguments."""
+    x = jnp.zeros((1, 32, 32, 3))
+    v18 = models.resnet18(num_classes=10).init(jax.random.key(0), x)
+    v34 = models.resnet34(num_classes=10).init(jax.random.key(0), x)
+    wide = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(
+        lambda: models.wide_resnet50_2(num_classes=10).init(jax.random.key(0), x)))
+    cases = [
+        (lambda: models.resnet18().apply(v18, x), r"the variables' classifier \(fc\) has 10 outputs, but the model "
+                                                  r"was built with num_classes=1000: build it with num_classes=10"),
+        (lambda: models.resnet18(num_classes=10).apply(v34, x), r"the variables hold basic blocks \(3, 4, 6, 3\) "
+                                                                r"\(like resnet34\), but the model has basic blocks"),
+        (lambda: models.resnet50(num_classes=10).apply(v18, x), r"basic blocks \(2, 2, 2, 2\) \(like resnet18\), "
+                                                                r"but the model has bottleneck blocks"),
+        (lambda: models.resnet50(num_classes=10).apply(wide, x), r"the variables do not fit this ResNet \(layers=\(3, "
+                                                                 r"4, 6, 3\), .*width_per_group=64.*layer1/0/conv1"),
+        (lambda: models.resnet18(num_classes=10).apply({"params": v18["params"]}, x), r"no 'batch_stats'"),
+        (lambda: models.resnet18(num_classes=10).apply(v18["params"], x), r"hold no 'params' \(their top-level keys"),
+        (lambda: models.build_folded("resnet18", num_classes=7).apply(models.fold_batchnorm(v18, "resnet18"), x),
+         r"has 10 outputs, but the model was built with num_classes=7"),
+    ]
+    for call, named in cases:
+        with pytest.raises(ConfigError, match=named):
+            call()
+    assert models.resnet18(num_classes=10).apply(v18, x).shape == (1, 10)
+    assert models.build_folded("resnet18", num_classes=10).apply(models.fold_batchnorm(v18, "resnet18"), x).shape \
+        == (1, 10)
+    assert models.resnet18(num_classes=0).apply(v18, x).shape == (1, 512)  # a backbone of a classifier's weights

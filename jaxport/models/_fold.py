@@ -44,6 +44,8 @@ class FoldedResNet(ResNet):
     Build one with `build_folded(arch)`; the attributes are `ResNet`'s (`bn_axis_name` unused).
     """
 
+    _uses_batch_stats = False
+
     def _norm_and_conv(self) -> tuple[Callable, Callable]:
         return _NoNorm, functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype, use_bias=True,
                                           custom_vjps=use_custom_vjps(self.custom_vjps))

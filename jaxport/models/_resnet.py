@@ -12,6 +12,7 @@ import functools
 import math
 from typing import Any, Callable, Sequence
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -314,6 +315,51 @@ class ResNet(nn.Module):
             raise ConfigError(
                 f"`replace_stride_with_dilation` should be None or a 3-element tuple, got {dilate}"
             )
+        if not self.is_initializing():
+            self._check_variables(block_cls, layers)
+        try:
+            return self._forward(x, train, block_cls, dilate)
+        except (flax.errors.ScopeParamShapeError, flax.errors.ScopeParamNotFoundError,
+                flax.errors.ScopeCollectionNotFound) as e:
+            # flax names one parameter and none of the model's arguments (e.g. another width).
+            first = str(e).split(" (https://", 1)[0]
+            raise ConfigError(f"the variables do not fit this {type(self).__name__} (layers={layers}, block="
+                              f"{self.block!r}, groups={self.groups}, width_per_group={self.width_per_group}, "
+                              f"num_classes={self.num_classes}): {first}; build the model the variables were made "
+                              "for (jaxport.models.build(arch, num_classes=...))") from None
+
+    def _check_variables(self, block_cls, layers) -> None:
+        """The variables' shape of network against the model's, before flax runs: a resnet34's
+        variables given to a resnet18 ran silently on part of them (extra parameters are ignored),
+        and the other mismatches were flax's errors, naming one path and no argument."""
+        collections = self.variables
+        if "params" not in collections:
+            raise ConfigError(f"the variables hold no 'params' (their top-level keys: {sorted(collections)[:6]}); "
+                              "pass the whole dict model.init or torch_compat.torch_to_flax returns, "
+                              "{'params': ..., 'batch_stats': ...}")
+        params = collections["params"]
+        if self._uses_batch_stats and "batch_stats" not in collections:
+            raise ConfigError("the variables hold 'params' but no 'batch_stats' (BatchNorm's running mean and var); "
+                              "pass {'params': ..., 'batch_stats': ...} as model.init or "
+                              "torch_compat.torch_to_flax returns them")
+        got = tuple(len(params.get(f"layer{i + 1}", {})) for i in range(4))
+        first = params.get("layer1", {}).get("0", {})
+        kind = "bottleneck" if "conv3" in first else "basic" if first else None
+        if got != layers or (kind is not None and kind != self.block):
+            shown = f"{kind} blocks {got}" if kind else f"blocks {got}"
+            like = [a for a, spec in ARCHS.items() if spec.layers == got and spec.block == kind]
+            hint = f" (like {' / '.join(like)})" if like else ""
+            raise ConfigError(f"the variables hold {shown}{hint}, but the model has {self.block} blocks {layers}: "
+                              "build the model their architecture names, e.g. jaxport.models.build("
+                              f"{like[0] if like else 'arch'!r}, num_classes=...)")
+        fc = params.get("fc", {}).get("kernel")
+        if fc is not None and self.num_classes and jnp.ndim(fc) == 2 and fc.shape[1] != self.num_classes:
+            raise ConfigError(f"the variables' classifier (fc) has {fc.shape[1]} outputs, but the model was built "
+                              f"with num_classes={self.num_classes}: build it with num_classes={fc.shape[1]}")
+
+    _uses_batch_stats = True  # a FoldedResNet's BatchNorms are folded into its convs
+
+    def _forward(self, x, train: bool, block_cls, dilate):
         norm, conv = self._norm_and_conv()
 
         x = conv(64, 7, 2, name="conv1")(x)
