@@ -387,5 +387,5 @@ def test_a_cluster_launch_whose_others_never_come_ends_with_one_line(tmp_path, s
         assert "jaxport: interrupted while waiting for the processes of this SLURM (SLURM_NTASKS=2) launch" in err
     else:
         assert proc.returncode == 2, err
-        assert re.search(r"^jaxport: error: the processes did not all connect to the coordinator at the address "
-                         r"SLURM \(SLURM_NTASKS=2\) gives within 4 s: start one process per task", err, re.M), err
+        assert re.search(r"^jaxport: error: the processes of this SLURM \(SLURM_NTASKS=2\) launch did not all "
+                         r"connect within 4 s: start one process per task with the launcher", err, re.M), err

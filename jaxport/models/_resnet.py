@@ -316,7 +316,7 @@ class ResNet(nn.Module):
                 f"`replace_stride_with_dilation` should be None or a 3-element tuple, got {dilate}"
             )
         if not self.is_initializing():
-            self._check_variables(block_cls, layers)
+            self._check_variables(layers)
         try:
             return self._forward(x, train, block_cls, dilate)
         except (flax.errors.ScopeParamShapeError, flax.errors.ScopeParamNotFoundError,
@@ -328,7 +328,7 @@ class ResNet(nn.Module):
                               f"num_classes={self.num_classes}): {first}; build the model the variables were made "
                               "for (jaxport.models.build(arch, num_classes=...))") from None
 
-    def _check_variables(self, block_cls, layers) -> None:
+    def _check_variables(self, layers) -> None:
         """The variables' shape of network against the model's, before flax runs: a resnet34's
         variables given to a resnet18 ran silently on part of them (extra parameters are ignored),
         and the other mismatches were flax's errors, naming one path and no argument."""

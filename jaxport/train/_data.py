@@ -127,12 +127,12 @@ def _load_digits() -> tuple[np.ndarray, np.ndarray]:
     return d.images, d.target
 
 
-def _check_split(image_size, seed, val_fraction, smallest: int) -> None:
+def _check_split(image_size, seed, val_fraction) -> None:
     """Refuse what would split or size the data wrongly without an error: a negative
     `val_fraction` slices from the end (1618 of the 1797 digits held out), 1 leaves nothing to
     train on, and a string size fails deep in numpy or torchvision."""
-    if not (is_int(image_size) and image_size >= smallest):
-        raise ConfigError(f"`image_size` (={image_size!r}) must be an integer >= {smallest}, e.g. image_size=32")
+    if not (is_int(image_size) and image_size >= 1):
+        raise ConfigError(f"`image_size` (={image_size!r}) must be an integer >= 1, e.g. image_size=32")
     if not is_int(seed):
         raise ConfigError(f"`seed` (={seed!r}) must be an integer, e.g. seed=0")
     if not (is_real(val_fraction) and 0 < val_fraction < 1):
@@ -148,7 +148,7 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
     `(seed, epoch, index)`; no flips, which would change a digit. Normalised with ImageNet's
     mean and std like every other input.
     """
-    _check_split(image_size, seed, val_fraction, smallest=1)
+    _check_split(image_size, seed, val_fraction)
     if image_size < 8:
         raise ConfigError(f"`--image-size` (={image_size}) must be >= 8 for the digits (8x8 images); use "
                           "--image-size 8 or more (the default, 32, reaches >= 95%)")
@@ -538,7 +538,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         Loading an image that fails to decode past its header, or that can no longer be read,
         raises it too, naming the file.
     """
-    _check_split(image_size, seed, val_fraction, smallest=1)
+    _check_split(image_size, seed, val_fraction)
     from torchvision import transforms as T
 
     norm = [T.ToTensor(), T.Normalize(MEAN.tolist(), STD.tolist())]

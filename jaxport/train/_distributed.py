@@ -57,19 +57,13 @@ _JAX_TIMEOUT_MARGIN_S = 30
 EXIT_NOT_CONNECTED = 2
 
 
-def _give_up(coordinator: str, num_processes: int | str, timeout_s: float, pending: Exception | None = None) -> None:
-    if pending is not None:  # connecting only to tell the others about this error
-        print(f"jaxport: error: {pending} (the other processes did not all connect within {timeout_s:g} s to be "
-              "told)", file=sys.stderr, flush=True)
-        os._exit(EXIT_NOT_CONNECTED)
-    if num_processes == "launched":  # by a cluster's launcher: its environment says who and where
-        print(f"jaxport: error: the processes did not all connect to the coordinator at {coordinator} within "
-              f"{timeout_s:g} s: start one process per task with the launcher (srun, mpirun)", file=sys.stderr,
-              flush=True)
-        os._exit(EXIT_NOT_CONNECTED)
-    print(f"jaxport: error: the {num_processes} processes did not all connect to the coordinator at {coordinator} "
-          f"within {timeout_s:g} s: start every process (--process-id 0 to {num_processes - 1}) with the same "
-          "--coordinator and --num-processes", file=sys.stderr, flush=True)
+def _give_up(unconnected: str, pending: Exception | None = None) -> None:
+    """End a process whose connect timed out with one line: `unconnected` says who did not
+    connect and how to start them; `pending` is the error it connected only to tell the others."""
+    if pending is not None:
+        print(f"jaxport: error: {pending} (not told to the others: {unconnected})", file=sys.stderr, flush=True)
+    else:
+        print(f"jaxport: error: {unconnected}", file=sys.stderr, flush=True)
     os._exit(EXIT_NOT_CONNECTED)  # jax's connect blocks the main thread in C++: nothing else can stop it
 
 
@@ -207,8 +201,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
             _wait_for_coordinator(coordinator, host, int(port), connect_timeout_s, log)
         # jax's own timeout ends in a C++ abort with a stack trace; a watchdog that fires first
         # ends the process with one line instead. Nothing has been written yet at this point.
-        watchdog = threading.Timer(connect_timeout_s, _give_up,
-                                   (coordinator, num_processes, connect_timeout_s, pending_error))
+        unconnected = (f"the {num_processes} processes did not all connect to the coordinator at {coordinator} "
+                       f"within {connect_timeout_s:g} s: start every process (--process-id 0 to {num_processes - 1}) "
+                       "with the same --coordinator and --num-processes")
+        watchdog = threading.Timer(connect_timeout_s, _give_up, (unconnected, pending_error))
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -225,8 +221,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     # The same protections as above: one line instead of jax's C++ abort when the others never
     # come, and Ctrl-C or SIGTERM end the wait.
-    watchdog = threading.Timer(connect_timeout_s, _give_up, (f"the address {launch} gives", "launched",
-                                                             connect_timeout_s, pending_error))
+    unconnected = (f"the processes of this {launch} launch did not all connect within {connect_timeout_s:g} s: "
+                   "start one process per task with the launcher (srun, mpirun)")
+    watchdog = threading.Timer(connect_timeout_s, _give_up, (unconnected, pending_error))
     watchdog.daemon = True
     watchdog.start()
     try:

@@ -181,8 +181,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     number of `correct` predictions, replicated; a label outside `[0, num_classes)` makes the
     loss NaN (see `cross_entropy`), and its example adds nothing to the gradient. (Leaving the
     whole state unchanged instead costs copies of the weights on every step: 35M -> 48-62M
-    elements copied per ResNet-50 step with a `lax.cond` or selects.) Whether BatchNorm is synchronised is the model's
-    `bn_axis_name` (`"data"` for SyncBatchNorm, None for per-device statistics).
+    elements copied per ResNet-50 step with a `lax.cond` or selects.) Whether BatchNorm is
+    synchronised is the model's `bn_axis_name` (`"data"` for SyncBatchNorm, None for
+    per-device statistics).
 
     With `donate` (the default) a call consumes `state`: its buffers become the new state's,
     and passing it again is refused; `donate=False` keeps it, at the cost of a second copy of
