@@ -394,6 +394,29 @@ def test_a_process_whose_peers_never_join_stops_with_one_line():
                      "--num-processes"], proc.stderr
 
 
+def test_a_coordinator_port_held_by_another_program_is_said():
+    """Process 1 connected to whatever held the port (here a plain listener, not jax), then
+    printed nothing for the whole timeout and ended with the generic line."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        code = ("from jaxport.train import _distributed\n"
+                f"_distributed.initialize('127.0.0.1:{port}', 2, 1, connect_timeout_s=3)\n"
+                "print('initialised')")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 2 and "initialised" not in proc.stdout and "stack trace" not in proc.stderr, proc.stderr
+    said = [x for x in proc.stderr.splitlines() if x.strip()]
+    assert said[0] == (f"process 1: the coordinator at 127.0.0.1:{port} answered; waiting for all 2 processes to "
+                       "join (up to 3 s)"), proc.stderr
+    assert said[-1].startswith("jaxport: error: the 2 processes did not all connect"), proc.stderr
+    assert said[-1].endswith(f"(something answers at 127.0.0.1:{port}; if process 0 of this run is not running "
+                             "there, another program holds that port)"), proc.stderr
+
+
 def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
     """A run whose loss or weights turn non-finite stops with a clear error naming the step and
     the latest checkpoint; nothing non-finite is ever saved, so the checkpoints left (and the

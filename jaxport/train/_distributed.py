@@ -199,11 +199,18 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                     f"(up to {connect_timeout_s:g} s)")
         else:
             _wait_for_coordinator(coordinator, host, int(port), connect_timeout_s, log)
+            # Said: when another program held the port, this process connected to it and then
+            # printed nothing for the whole timeout.
+            log(f"process {process_id}: the coordinator at {coordinator} answered; waiting for all {num_processes} "
+                f"processes to join (up to {connect_timeout_s:g} s)")
         # jax's own timeout ends in a C++ abort with a stack trace; a watchdog that fires first
         # ends the process with one line instead. Nothing has been written yet at this point.
         unconnected = (f"the {num_processes} processes did not all connect to the coordinator at {coordinator} "
                        f"within {connect_timeout_s:g} s: start every process (--process-id 0 to {num_processes - 1}) "
                        "with the same --coordinator and --num-processes")
+        if process_id != 0:
+            unconnected += (f" (something answers at {coordinator}; if process 0 of this run is not running there, "
+                            "another program holds that port)")
         watchdog = threading.Timer(connect_timeout_s, _give_up, (unconnected, pending_error))
         watchdog.daemon = True
         watchdog.start()
