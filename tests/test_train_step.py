@@ -158,6 +158,7 @@ def test_the_step_builders_name_what_is_wrong_with_their_arguments():
     empty Mesh(), and "use 4.0 or 2.0" for a batch of 2.5."""
     from jax.sharding import Mesh
 
+    from jaxport import models
     from jaxport.train import make_eval_step
 
     model = build("resnet18", num_classes=10)
@@ -171,7 +172,7 @@ def test_the_step_builders_name_what_is_wrong_with_their_arguments():
             call()
     mesh = make_mesh(jax.devices("cpu")[:2])
     with pytest.raises(ConfigError, match=r"`model` \(=<function resnet18.*\) must be a Flax module instance"):
-        make_train_step(build.__globals__["resnet18"], tx, mesh)
+        make_train_step(models.resnet18, tx, mesh)
     with pytest.raises(ConfigError, match=r"`variables` \(holding \['bn1', 'conv1', 'fc', 'layer1', 'layer2'\]\) "
                                           r"must be Flax variables"):
         create_state(variables["params"], tx, mesh)

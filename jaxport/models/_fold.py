@@ -9,7 +9,7 @@ that uses them.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import flax.linen as nn
 import numpy as np
@@ -44,7 +44,7 @@ class FoldedResNet(ResNet):
     Build one with `build_folded(arch)`; the attributes are `ResNet`'s (`bn_axis_name` unused).
     """
 
-    _uses_batch_stats = False
+    _uses_batch_stats: ClassVar[bool] = False
 
     def _norm_and_conv(self) -> tuple[Callable, Callable]:
         return _NoNorm, functools.partial(_ConvLeaf, dtype=self.dtype, param_dtype=self.param_dtype, use_bias=True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import flax
 import flax.linen as nn
@@ -256,6 +256,9 @@ class ResNet(nn.Module):
     param_dtype: Dtype = jnp.float32
     bn_axis_name: str | None = None
     custom_vjps: bool | None = None
+    # Not a field: whether the variables must hold BatchNorm statistics (a FoldedResNet's
+    # BatchNorms are folded into its convs).
+    _uses_batch_stats: ClassVar[bool] = True
 
     @nn.compact
     def __call__(self, x, train: bool = False):
@@ -356,8 +359,6 @@ class ResNet(nn.Module):
         if fc is not None and self.num_classes and jnp.ndim(fc) == 2 and fc.shape[1] != self.num_classes:
             raise ConfigError(f"the variables' classifier (fc) has {fc.shape[1]} outputs, but the model was built "
                               f"with num_classes={self.num_classes}: build it with num_classes={fc.shape[1]}")
-
-    _uses_batch_stats = True  # a FoldedResNet's BatchNorms are folded into its convs
 
     def _forward(self, x, train: bool, block_cls, dilate):
         norm, conv = self._norm_and_conv()

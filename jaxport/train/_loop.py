@@ -546,7 +546,10 @@ def _hold_workdir(workdir: str) -> int | None:
     process ends, even by SIGKILL). Two runs started together into one empty workdir both
     passed the check for an earlier run's files, trained side by side, and both died at their
     first checkpoint on each other's temporary directories, all their work lost."""
-    fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:  # a directory that cannot be opened for reading: the check for earlier files remains
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

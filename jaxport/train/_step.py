@@ -52,10 +52,10 @@ def make_mesh(devices: list | None = None) -> Mesh:
     """A 1-D mesh named `data` over `devices` (default: every device of every process)."""
     if devices is None:
         return jax.make_mesh((jax.device_count(),), (AXIS,), axis_types=(AxisType.Auto,))
-    devices = list(devices)
-    if not devices:  # an empty Mesh() was returned, and failed later without naming this
+    devices = np.asarray(devices)
+    if devices.size == 0:  # an empty Mesh() was returned, and failed later without naming this
         raise ConfigError("`devices` (=[]) is empty; pass some of jax.devices(), or None for all of them")
-    return Mesh(np.asarray(devices), (AXIS,), axis_types=(AxisType.Auto,))
+    return Mesh(devices, (AXIS,), axis_types=(AxisType.Auto,))
 
 
 def _check_mesh_and_model(mesh: Mesh, model: Any = None) -> None:
