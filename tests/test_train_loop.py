@@ -305,6 +305,22 @@ def test_resume_says_which_settings_changed(tmp_path):
         train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 4, "momentum": 0.0}))
 
 
+def test_numpy_typed_settings_train_and_checkpoint_as_python_values(tmp_path):
+    """`validate` takes numpy scalars, but the settings go into every checkpoint as JSON: a run
+    with them trained to its first checkpoint, failed there ("Object of type bool is not JSON
+    serializable") with the steps lost, and left a workdir that refused a fresh run."""
+    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=np.int64(64), epochs=np.int32(1),
+                      max_steps=np.int64(1), lr=np.float32(0.05), momentum=np.float64(0.9), sync_bn=np.bool_(False),
+                      dtype=np.dtype("float32"), checkpoint_every=1000, progress=False, devices=1)
+    cfg.validate()
+    assert train(cfg)["steps_run"] == 1
+    logged = []
+    train(TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
+                      lr=float(np.float32(0.05)), checkpoint_every=1000, progress=False, devices=1, resume=True),
+          log=logged.append)
+    assert "resuming from step 1" in logged, logged  # the same settings, read back as Python values
+
+
 @pytest.mark.parametrize("field, value, match", [
     ("checkpoint_every", 0, r"`--checkpoint-every` \(=0\) must be >= 1"),  # was a ZeroDivisionError
     ("keep_checkpoints", 0, r"`--keep-checkpoints` \(=0\) must be >= 1"),
@@ -315,6 +331,9 @@ def test_resume_says_which_settings_changed(tmp_path):
     ("lr", float("inf"), r"`--lr` \(=inf\) must be a finite number > 0"),
     ("momentum", -0.5, r"`--momentum` \(=-0.5\) must be a finite number >= 0"),
     ("weight_decay", float("nan"), r"`--weight-decay` \(=nan\) must be a finite number >= 0"),
+    # library only; was a bare TypeError after a compile, and -5 "more than the -0 MiB available"
+    ("memory_limit_bytes", "1G", r"`memory_limit_bytes` \(='1G'\) must be a number of bytes >= 1"),
+    ("memory_limit_bytes", -5, r"`memory_limit_bytes` \(=-5\) must be a number of bytes >= 1"),
 ])
 def test_invalid_settings_are_refused_before_any_work(tmp_path, field, value, match):
     with pytest.raises(ConfigError, match=match):

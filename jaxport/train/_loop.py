@@ -128,6 +128,10 @@ def _validate(cfg: TrainConfig) -> None:
         finite("--" + name.replace("_", "-"), getattr(cfg, name), minimum=0)
     if cfg.batch_size != "auto" and (not is_int(cfg.batch_size) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
+    # Was a bare TypeError ("'>' not supported") after a compile, or "more than the -0 MiB available".
+    if cfg.memory_limit_bytes is not None and not (is_int(cfg.memory_limit_bytes) and cfg.memory_limit_bytes >= 1):
+        raise ConfigError(f"`memory_limit_bytes` (={cfg.memory_limit_bytes!r}) must be a number of bytes >= 1 "
+                          "(e.g. 8 << 30 for 8 GiB), or None for the device's memory")
     for name in ("sync_bn", "trusted", "resume"):
         if not isinstance(getattr(cfg, name), (bool, np.bool_)):
             raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)!r}) must be True or False")
@@ -143,6 +147,21 @@ def _validate(cfg: TrainConfig) -> None:
             raise ConfigError(f"`--workdir` (={cfg.workdir}) is inside `--data` (={cfg.data}), where its checkpoints "
                               f"and plot would be read as a class '{inside}'; choose a --workdir outside the data "
                               "directory (nothing was written)")
+
+
+def _plain(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` (validated) with numpy scalars as the Python values they equal, and `dtype` by its
+    name. `validate` takes `np.int64(8)`, `np.float32(0.05)`, `np.bool_(False)` and
+    `np.dtype("float32")`, but the run's settings go into every checkpoint as JSON: those
+    trained up to the first checkpoint, then failed there ("Object of type bool is not JSON
+    serializable") with the steps lost."""
+    def plain(value):
+        if isinstance(value, np.bool_):
+            return bool(value)
+        return int(value) if isinstance(value, np.integer) else float(value) if isinstance(value, np.floating) else value
+    values = {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    values["dtype"] = next(name for name in DTYPES if cfg.dtype == name)
+    return dataclasses.replace(cfg, **values)
 
 
 def _shown(value) -> str:
@@ -519,6 +538,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     invalid = None
     try:
         _validate(cfg)
+        cfg = _plain(cfg)
     except ConfigError as e:
         if not _distributed.requested(cfg.coordinator, cfg.num_processes, cfg.process_id):
             raise
