@@ -281,6 +281,12 @@ def test_one_image_per_device_at_1x1_maps_is_refused_before_compiling(tmp_path, 
         assert not os.listdir(tmp_path)
     else:
         assert train(cfg)["steps_run"] == 1
+        # Resumed without --sync-bn: the batch and image size are the checkpoint's (--resume
+        # refuses others), so suggesting them sent the user from one refusal to the next.
+        with pytest.raises(ConfigError, match=r"gives 1 image per device, .*; a resumed run keeps the checkpoint's "
+                                              r"batch and image size: use --sync-bn, or resume where jax sees at most 1 "
+                                              r"device \(the checkpoint's run had 2\)$"):
+            train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 2, "sync_bn": False}))
 
 
 def test_resume_says_which_settings_changed(tmp_path):

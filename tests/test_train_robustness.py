@@ -212,6 +212,24 @@ def test_a_batch_larger_than_the_training_set_names_one_that_fits(tmp_path):
         train(_cfg(tmp_path / "w", data, devices=4, batch_size=8))
 
 
+def test_batch_size_auto_names_the_fixes_when_the_data_is_too_small_for_it(tmp_path):
+    """4 training images on 4 devices at 16 px: auto picked 2 per device anyway, then failed with
+    "`--batch-size` (=8) is larger than the training set ... use at most 4", a size the user never
+    gave whose suggestion was refused in turn (1 image per device at 1x1 maps)."""
+    data = tmp_path / "data"
+    _folder(data / "train", per_class=2)
+    _folder(data / "val", per_class=1)
+    with pytest.raises(ConfigError, match=r"^`--batch-size auto`: the training set \(4 images\) gives at most 1 image "
+                                          r"per device on 4 device\(s\), and at `--image-size` \(=16\) layer4's maps are "
+                                          r"1x1: train-mode BatchNorm needs 2 per device .*; use --sync-bn, or at least 8 "
+                                          r"training images, or --image-size 33 or more$"):
+        train(_cfg(tmp_path / "w", data, devices=4, batch_size="auto"))
+    with pytest.raises(ConfigError, match=r"^`--batch-size auto`: the training set \(4 images\) has fewer images than "
+                                          r"the 8 devices, and a step needs at least one image per device; add training"):
+        train(_cfg(tmp_path / "w", data, devices=8, batch_size="auto", image_size=40))
+    assert not (tmp_path / "w").exists()
+
+
 _TERM_DURING_SETUP = """
 import os, signal, sys, time
 from jaxport.train import _data

@@ -263,16 +263,53 @@ def _min_per_device(image_size: int, sync_bn: bool, n_dev: int) -> int:
     return 1 if layer4_side(image_size) ** 2 * (n_dev if sync_bn else 1) >= 2 else 2
 
 
-def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n_dev: int) -> None:
-    """Refuse, before compiling, a step whose BatchNorm at layer4 sees one value per channel."""
+def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n_dev: int,
+                              resumed_devices: int | None = None) -> None:
+    """Refuse, before compiling, a step whose BatchNorm at layer4 sees one value per channel.
+
+    `resumed_devices`: the device count of the checkpoint's run when this run resumes one (0 if
+    unknown). A resumed run keeps the checkpoint's batch and image size (--resume refuses
+    others), so only --sync-bn or the device count can fix it there."""
     if per_device >= _min_per_device(image_size, sync_bn, n_dev):
         return
     side = layer4_side(image_size)
-    fixes = [f"--batch-size {2 * n_dev} (2 per device)"] + ([] if sync_bn or n_dev == 1 else ["--sync-bn"])
+    sync = [] if sync_bn or n_dev == 1 else ["--sync-bn"]
+    if resumed_devices is None:
+        fixes = f"use {' or '.join([f'--batch-size {2 * n_dev} (2 per device)'] + sync)}, or --image-size 33 or more"
+    else:
+        had = f" (the checkpoint's run had {resumed_devices})" if resumed_devices else ""
+        fixes = ("a resumed run keeps the checkpoint's batch and image size: "
+                 f"{'use --sync-bn, or ' if sync else ''}resume where jax sees at most {per_device * n_dev // 2} "
+                 f"device{'s' if per_device * n_dev // 2 > 1 else ''}{had}")
     raise ConfigError(f"`--batch-size` (={per_device * n_dev}) gives {per_device} image per device, and at "
                       f"`--image-size` (={image_size}) layer4's maps are {side}x{side}: train-mode BatchNorm would see "
-                      "one value per channel, which torch refuses (every output would be the bias); use "
-                      f"{' or '.join(fixes)}, or --image-size 33 or more")
+                      f"one value per channel, which torch refuses (every output would be the bias); {fixes}")
+
+
+def _saved_devices(workdir: str, step: int) -> int:
+    """The device count recorded in checkpoint `step`'s metadata; 0 when it cannot be read."""
+    saved = _checkpoint.peek_meta(workdir, step) or {}
+    n = (saved.get("settings") or {}).get("num_devices")
+    return n if isinstance(n, int) else 0
+
+
+def _check_auto_batch_fits_data(cfg: TrainConfig, num_examples: int, n_dev: int) -> None:
+    """`--batch-size auto` needs the training set to give every device its smallest valid batch.
+    It picked that batch anyway, then failed as if the user had passed it ("`--batch-size` (=8)
+    is larger than the training set"), suggesting a size that was refused in turn."""
+    low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev)
+    if num_examples >= low * n_dev:
+        return
+    if num_examples < n_dev:
+        raise ConfigError(f"`--batch-size auto`: the training set ({num_examples} images) has fewer images than the "
+                          f"{n_dev} devices, and a step needs at least one image per device; add training images")
+    side = layer4_side(cfg.image_size)
+    fixes = ([] if cfg.sync_bn or n_dev == 1 else ["--sync-bn"]) + [f"at least {low * n_dev} training images",
+                                                                     "--image-size 33 or more"]
+    raise ConfigError(f"`--batch-size auto`: the training set ({num_examples} images) gives at most "
+                      f"{num_examples // n_dev} image per device on {n_dev} device(s), and at `--image-size` "
+                      f"(={cfg.image_size}) layer4's maps are {side}x{side}: train-mode BatchNorm needs {low} per device "
+                      f"(one value per channel otherwise, which torch refuses); use {', or '.join(fixes)}")
 
 
 def _digest(variables) -> str:
@@ -639,8 +676,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False)
+        _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
-        cap = max(1, data.train.num_examples // n_dev)
+        cap = data.train.num_examples // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
                                                  max_per_device=min(256, cap), log=say,
                                                  min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev))
@@ -658,7 +696,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         fix = (f"use at most {n // n_dev * n_dev} (a multiple of the {n_dev} devices)" if n >= n_dev else
                f"a step needs at least one image per device ({n_dev}): add training images")
         raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
-    _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev)
+    _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev,
+                              None if resumed_step is None else _saved_devices(cfg.workdir, resumed_step))
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
     step_fn = make_train_step(model, tx, mesh)
