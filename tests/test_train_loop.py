@@ -747,11 +747,14 @@ def test_the_last_line_says_how_the_run_ended():
 
     state = SimpleNamespace(step=np.int32(25))
     row = {"epoch": 0, "step": 22, "val_acc": 0.5}
-    assert summary({**row, "state": state, "steps_run": 25}, "w") == (
+    assert summary({**row, "state": state, "steps_run": 25}, "w", 2) == (
         "stopped at step 25 (--max-steps); last evaluation (epoch 1, step 22): val accuracy 0.5000, checkpoints in w")
-    assert summary({"state": state, "steps_run": 3}, "w") == "stopped at step 25 (--max-steps), checkpoints in w"
-    assert summary({**row, "step": 25, "state": state, "steps_run": 3}, "w") == "val accuracy 0.5000, checkpoints in w"
-    assert summary({"state": state, "steps_run": 0}, "w") == "nothing to train: already at step 25, checkpoints in w"
+    assert summary({"state": state, "steps_run": 3}, "w", 2) == "stopped at step 25 (--max-steps), checkpoints in w"
+    assert summary({**row, "step": 25, "state": state, "steps_run": 3}, "w", 1) == "val accuracy 0.5000, checkpoints in w"
+    # --max-steps at the end of epoch 1 of 2 was reported as a finished run
+    assert summary({**row, "step": 25, "state": state, "steps_run": 3}, "w", 2) == (
+        "stopped at step 25 (--max-steps) after epoch 1 of 2: val accuracy 0.5000, checkpoints in w")
+    assert summary({"state": state, "steps_run": 0}, "w", 2) == "nothing to train: already at step 25, checkpoints in w"
 
 
 @pytest.mark.parametrize("error, text, code", [

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:  # SIGINT/SIGTERM: the last finished step was checkpointed
         print(f"jaxport: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
-    print(summary(result, args.workdir))
+    print(summary(result, args.workdir, args.epochs))
     return 0
 
 
@@ -179,12 +179,15 @@ def _stdout_to_stderr():
         os.close(saved)
 
 
-def summary(result: dict, workdir: str) -> str:
+def summary(result: dict, workdir: str, epochs: int) -> str:
     """The last line of a run: what `train` returned, said truthfully."""
     step = int(result["state"].step)
     if not result["steps_run"]:
         return f"nothing to train: already at step {step}, checkpoints in {workdir}"
-    if result.get("step") == step:  # the run ended with an epoch, and its evaluation
+    if result.get("step") == step and result["epoch"] + 1 < epochs:  # --max-steps at an epoch's end
+        return (f"stopped at step {step} (--max-steps) after epoch {result['epoch'] + 1} of {epochs}: val accuracy "
+                f"{result['val_acc']:.4f}, checkpoints in {workdir}")
+    if result.get("step") == step:  # the run ended with its last epoch, and its evaluation
         return f"val accuracy {result['val_acc']:.4f}, checkpoints in {workdir}"
     # --max-steps ended the run mid-epoch, after the last evaluation (if any)
     last = (f"; last evaluation (epoch {result['epoch'] + 1}, step {result['step']}): val accuracy "
