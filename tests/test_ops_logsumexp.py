@@ -139,6 +139,7 @@ def test_logsumexp_errors_name_the_argument():
         (lambda: logsumexp(x, axis_name="i"), r"`axis_name` \(='i'\) names no mesh axis here.*shard_map"),
         # lax.pmax/psum read an int as an array axis: axis_name=1 reduced over axis 1 silently.
         (lambda: logsumexp(jnp.zeros((3, 1)), axis=0, axis_name=1), r"`axis_name` \(=1\) must be a mesh axis name"),
+        (lambda: logsumexp(x, axis_name=("d", ["e"])), r"`axis_name` \(=\('d', \['e'\]\)\) must be a mesh axis name"),
         (lambda: logsumexp([2**40, 1]), r"`a` has dtype int64, but jax's 64-bit mode is off, so jax would wrap it"),
         # With x64 off jax rounds float64 to float32: 1e300 became inf (so did the result), and a
         # scale factor of 1e-300 became 0 (dropping its entry). Only such changes are refused.

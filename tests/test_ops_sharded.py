@@ -88,6 +88,16 @@ def test_logsumexp_axis_name_reduces_across_the_mesh(mesh, with_b_where):
         np.testing.assert_allclose(np.asarray(out), torch.logsumexp(torch.from_numpy(x), 1).numpy(), rtol=1e-6)
 
 
+def test_logsumexp_axis_name_may_be_a_list_as_axis_may(mesh):
+    """A list of mesh axis names was a bare "TypeError: unhashable type: 'list'" from lax.pmax."""
+    x = np.random.default_rng(12).standard_normal((4, 16)).astype(np.float32)
+    f = jax.jit(jax.shard_map(lambda v: logsumexp(v, axis=1, axis_name=["d"]), mesh=mesh, in_specs=P(None, "d"),
+                              out_specs=P()))
+    np.testing.assert_allclose(np.asarray(f(x)), torch.logsumexp(torch.from_numpy(x), 1).numpy(), rtol=1e-6)
+    with pytest.raises(ConfigError, match=r"`axis_name` \(=\('d',\)\) names no mesh axis here"):
+        logsumexp(x, axis=1, axis_name=["d"])  # outside shard_map
+
+
 def test_logsumexp_axis_name_gradient_is_softmax(mesh):
     x = np.random.default_rng(11).standard_normal((3, 32)).astype(np.float32)
     x[0] = -np.inf

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Hashable
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,10 @@ def logsumexp(
         raise ConfigError(f"`a` has complex dtype {a.dtype}; logsumexp here takes real arrays")
     keepdims = check_flag(keepdims, "keepdims")
     return_sign = check_flag(return_sign, "return_sign")
+    if isinstance(axis_name, list):  # as `axis` takes one; jax's collectives take only a tuple
+        axis_name = tuple(axis_name)  # (a list was a bare "TypeError: unhashable type: 'list'")
+    if axis_name is not None:
+        _check_axis_name(axis_name)
     if not jnp.issubdtype(a.dtype, jnp.floating):
         a = a.astype(jnp.result_type(float))
     out_dtype = a.dtype
@@ -206,7 +211,6 @@ def _shifted_sum(a, b, dims, axis_name):
     # The shift is a constant for differentiation (the result does not depend on it).
     m = lax.stop_gradient(jnp.max(a, axis=dims, keepdims=True, initial=-jnp.inf))
     if axis_name is not None:
-        _check_axis_name(axis_name)
         try:
             m = lax.pmax(m, axis_name)
         except (NameError, AssertionError):  # outside shard_map / a name the mesh lacks (jax's own assert)
@@ -231,7 +235,7 @@ def _check_axis_name(axis_name) -> None:
     """Mesh axis names are strings (any hashable but an int): `lax.psum` and `lax.pmax` read an
     int as a positional array axis, so `axis_name=1` reduced over array axis 1 instead."""
     names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-    if not names or any(isinstance(n, (int, np.integer)) for n in names):
+    if not names or any(isinstance(n, (int, np.integer)) or not isinstance(n, Hashable) for n in names):
         raise ConfigError(f"`axis_name` (={axis_name!r}) must be a mesh axis name, e.g. 'model', or a tuple of "
                           "names (ints would be array axes: pass those as `axis`)")
 
