@@ -165,3 +165,27 @@ def test_per_row_k_split_over_rows_of_a_replicated_x_on_an_explicit_mesh(mesh, m
     want = torch_rank(to_torch(x, "float32"), -1, True) < k[:, None]
     np.testing.assert_array_equal(np.asarray(jax.jit(lambda v, c: topk_mask(v, c, method=method))(xs, ks)), want)
     np.testing.assert_array_equal(np.asarray(topk_mask(xs, ks, method=method)), want)
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+def test_per_row_k_split_over_another_mesh_axis_than_the_rows(mesh, method):
+    # Rows over mesh axis 'a', k over 'b' (Explicit): eager on CPU worked, and the same call
+    # under jit raised jax's bare "ShardingTypeError: incompatible shardings for broadcasting".
+    # k now follows the rows where jax can reshard it (eager, or under `jax.set_mesh`), and is
+    # named with the fix where it cannot (jit outside a mesh context).
+    grid = jax.make_mesh((2, 4), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=mesh.devices.ravel())
+    x = tricky((8, 40), "float32", seed=14)
+    k = np.random.default_rng(14).integers(-2, 45, 8).astype(np.int32)
+    xs = jax.device_put(x, NamedSharding(grid, P("a", None)))
+    ks = jax.device_put(k, NamedSharding(grid, P("b")))
+    want = torch_rank(to_torch(x, "float32"), -1, True) < k[:, None]
+    jitted = jax.jit(lambda v, c: topk_mask(v, c, method=method))
+    np.testing.assert_array_equal(np.asarray(topk_mask(xs, ks, method=method)), want)
+    with jax.set_mesh(grid):
+        out = jitted(xs, ks)
+    np.testing.assert_array_equal(np.asarray(out), want)
+    assert out.sharding.spec == P("a", None)
+    with pytest.raises(ConfigError, match=r"`k` is sharded as P\('b',\) and x's slices as P\('a',\) over Explicit "
+                                          r"mesh axes.*jax.set_mesh"):
+        jitted(xs, ks)

@@ -12,6 +12,8 @@ from typing import Callable
 
 import jax
 from jax.sharding import NamedSharding
+
+from .._errors import ConfigError
 from jax.sharding import PartitionSpec as P
 
 _reshard = getattr(jax.sharding, "reshard", None)  # jax >= 0.6
@@ -30,3 +32,30 @@ def gather_axis(x: jax.Array, axis: int) -> tuple[jax.Array, Callable[[jax.Array
         return x, restore
     gathered = P(*(None if i == axis else s for i, s in enumerate(spec)))
     return _reshard(x, NamedSharding(sharding.mesh, gathered)), restore
+
+
+def match_batch(k: jax.Array, key: jax.Array) -> jax.Array:
+    """The per-slice `k` resharded as `key`'s slices are, where their Explicit shardings conflict.
+
+    Combining them (`t | k` in the selection) was jax's bare "ShardingTypeError: incompatible
+    shardings for broadcasting: ('a',), ('b',)" for rows split over mesh axis 'a' and k over 'b',
+    and only under `jit`: eager calls on CPU traced the host kernel alone. Compatible shardings
+    (one side replicated along a dimension) are left as they are."""
+    batch = getattr(jax.typeof(key[..., 0]), "sharding", None)
+    ks, bs = getattr(getattr(jax.typeof(k), "sharding", None), "spec", None), getattr(batch, "spec", None)
+    if _reshard is None or ks is None or bs is None:
+        return k
+    ks, bs = tuple(ks) + (None,) * (k.ndim - len(ks)), tuple(bs) + (None,) * (k.ndim - len(bs))
+    merged = [a if a is not None else b for a, b in zip(bs, ks)]
+    used = [n for m in merged if m is not None for n in (m if isinstance(m, tuple) else (m,))]
+    if all(a is None or b is None or a == b for a, b in zip(bs, ks)) and len(used) == len(set(used)):
+        return k
+    try:  # a concrete array (eager) carries its device mesh; a traced one only an abstract one
+        mesh = key.sharding.mesh
+    except AttributeError:
+        mesh = batch.mesh
+        if not jax.sharding.get_abstract_mesh().axis_names:  # jax reshards under jit only inside a mesh context
+            raise ConfigError(f"`k` is sharded as {P(*ks)} and x's slices as {P(*bs)} over Explicit mesh axes, "
+                              f"which jax cannot combine here; reshard k as x's slices first (jax.sharding.reshard(k, "
+                              f"NamedSharding(mesh, {P(*bs)}))), or call inside `with jax.set_mesh(mesh):`") from None
+    return _reshard(k, NamedSharding(mesh, P(*bs)))

@@ -13,7 +13,7 @@ from . import _host
 from ._callback import host_call
 from ._checks import check_flag, check_method, normalize_axis, to_array
 from ._keys import order_key
-from ._sharding import gather_axis
+from ._sharding import gather_axis, match_batch
 
 
 def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: str = "auto") -> jax.Array:
@@ -224,6 +224,7 @@ def select_keys(key: jax.Array, k: jax.Array, method: str = "auto") -> jax.Array
     """mask = stable ascending rank of `key` along the last axis < k (k in [0, n], batch-shaped)."""
     if key.shape[-1] == 0:
         return jnp.zeros(key.shape, bool)
+    k = match_batch(k, key)
     if method == "xla":
         return _select_xla(key, k)
     if method == "host":
