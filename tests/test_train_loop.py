@@ -677,6 +677,18 @@ def test_bad_data_directories(tmp_path):
     _image_folder(split / "val", classes=("a", "c"))
     with pytest.raises(ConfigError, match=r"only in train/: b; only in val/: c"):
         _data.image_folder(str(split))
+    # val/ with one class folder, or with one of two left empty, was "has images of a single
+    # class ... classification needs at least 2", though train/ had two; and the advice for an
+    # empty val/ folder, to remove it, led to the refusal above.
+    shutil.rmtree(split / "val" / "c")
+    with pytest.raises(ConfigError, match=r"only in train/: b; only in val/: none"):
+        _data.image_folder(str(split))
+    (split / "val" / "b").mkdir()
+    with pytest.raises(ConfigError, match=r"val\): class folder\(s\) 'b' hold no readable images .*; add held-out "
+                                          r"images of each \(e.g. move a few from train/\): val/ needs every class"):
+        _data.image_folder(str(split))
+    with pytest.raises(FileNotFoundError, match="Found no valid file for the classes b"):  # torchvision agrees
+        torchvision.datasets.ImageFolder(str(split / "val"))
     one = _image_folder(tmp_path / "one", classes=("only",))
     with pytest.raises(ConfigError, match="single class .*'only'.*at least 2"):
         _data.image_folder(str(one))

@@ -221,8 +221,11 @@ def _image_files(class_dir: str, blocked: set[str]) -> list[str]:
     return [os.path.join(d, f) for d, f in sorted(found)]
 
 
-def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], list[tuple[str, int]], int]:
+def _scan(root: str, name: str, seen: set | None = None, *,
+          held_out: bool = False) -> tuple[list[str], list[tuple[str, int]], int]:
     """Classes, readable (path, label) samples and the number of unreadable files of a folder.
+
+    `held_out`: the folder is val/ beside train/, whose classes it must have, each with images.
 
     A file reached twice (symbolic or hard links) is a sample once: in the class folder that really
     holds it, else the first to reach it. `seen` holds the files already taken (train/'s, when
@@ -286,15 +289,17 @@ def _scan(root: str, name: str, seen: set | None = None) -> tuple[list[str], lis
     has_images = {label for _, label in samples}
     used = sorted(has_images)
     empty = [c for i, c in enumerate(classes) if i not in has_images]
-    if empty and len(used) >= 2:
+    if empty and (len(used) >= 2 or held_out):
         # A class the model could never learn, which would also shift every label after it;
-        # torchvision's ImageFolder refuses such folders too.
+        # torchvision's ImageFolder refuses such folders too. In val/ removing the folder is no
+        # way out (train/ has the class), and one class left was "a single class" there.
         linked = _links_only(candidates, owner, seen, classes, empty)
         what = (f"no images of their own: {linked}" if linked else
                 f"no readable images ({', '.join(IMG_EXTENSIONS)})")
-        raise ConfigError(f"`{name}` (={root}): class folder(s) {', '.join(map(repr, empty[:5]))} hold {what}; add "
-                          "images or remove the folder(s)")
-    if len(used) < 2:
+        fix = (f"add held-out images of each (e.g. move a few from train/): {os.path.basename(root)}/ needs every "
+               "class of train/, as torchvision's ImageFolder does" if held_out else "add images or remove the folder(s)")
+        raise ConfigError(f"`{name}` (={root}): class folder(s) {', '.join(map(repr, empty[:5]))} hold {what}; {fix}")
+    if len(used) < 2 and not held_out:  # val/'s classes are compared with train/'s instead
         linked = _links_only(candidates, owner, seen, classes, empty)
         raise ConfigError(f"`{name}` (={root}) has images of a single class ({classes[used[0]]!r})"
                           f"{'; ' + linked if linked else ''}; classification needs at least 2 class sub-folders "
@@ -564,7 +569,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         seen: set = set()
         val_name = held_out[0]
         classes, train_samples, skipped = _scan(train_dir, "--data", seen)
-        val_classes, val_samples, vskipped = _scan(os.path.join(root, val_name), "--data", seen)
+        val_classes, val_samples, vskipped = _scan(os.path.join(root, val_name), "--data", seen, held_out=True)
         if val_classes != classes:
             only_train, only_val = sorted(set(classes) - set(val_classes)), sorted(set(val_classes) - set(classes))
             raise ConfigError(f"`--data` (={root}): train/ and {val_name}/ have different class folders (only in "
