@@ -133,7 +133,16 @@ def _out_path(text: str) -> Path:
     if text.endswith(("/", os.sep)):
         raise ConfigError(f"`--out` (={text}) ends in a path separator, so it names a directory; pass a file path, "
                           f"e.g. {Path(text) / 'model.safetensors'}")
-    return Path(text)
+    path = Path(text)
+    if ".." in path.parts:
+        # `nodir/../ck.pt` is ck.pt once the writer has made nodir, but every check asked the
+        # file system about the literal path, which does not exist while nodir does not: the
+        # checkpoint or variables file being read, or any other file, was replaced without --force.
+        # The directory is resolved as the kernel will (links first, then `..`); the name is
+        # kept, so that a link named by --out is still refused or replaced, never followed.
+        full = Path(os.path.realpath(path)) if path.name == ".." else Path(os.path.realpath(path.parent)) / path.name
+        path = full if path.is_absolute() else Path(os.path.relpath(full))
+    return path
 
 
 def _port_source(out: Path) -> str | None:

@@ -172,11 +172,20 @@ def test_port_never_overwrites_its_checkpoint_or_a_foreign_file(tmp_path, monkey
     assert main(["port", "r18.safetensors", "--out", str(tmp_path / "r18.safetensors")]) == 2
     _assert_one_line_error(capsys.readouterr().err, "`--out`", "is part of the checkpoint being read")
     assert Path("r18.safetensors").read_bytes() == original
+    # Through a directory that does not exist yet: every check asked about the literal path
+    # (missing), then the writer made `nodir` and replaced the checkpoint, with status 0.
+    for out in ["nodir/../r18.safetensors", str(tmp_path / "nodir" / ".." / "r18.safetensors")]:
+        assert main(["port", "r18.safetensors", "--out", out]) == 2
+        _assert_one_line_error(capsys.readouterr().err, "`--out` (=", "r18.safetensors) is part of the checkpoint")
+        assert Path("r18.safetensors").read_bytes() == original and not Path("nodir").exists()
 
     torch.save(sd, "model.pth")
     Path("model.safetensors").write_bytes(b"someone else's file")
     assert main(["port", "model.pth"]) == 2
     _assert_one_line_error(capsys.readouterr().err, "'model.safetensors' already exists", "--out")
+    assert Path("model.safetensors").read_bytes() == b"someone else's file"
+    assert main(["port", "model.pth", "--out", "nodir/../model.safetensors"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "`--out` (=model.safetensors) already exists", "--force")
     assert Path("model.safetensors").read_bytes() == b"someone else's file"
 
     assert main(["port", "model.pth", "--out", str(tmp_path)]) == 2
@@ -189,7 +198,9 @@ def test_export_writes_safetensors_by_name_and_never_over_its_input(tmp_path, ca
     before = variables.read_bytes()
     assert main(["export", str(variables), "--out", str(variables)]) == 2
     _assert_one_line_error(capsys.readouterr().err, "is part of the variables file being read")
-    assert variables.read_bytes() == before
+    assert main(["export", str(variables), "--out", str(tmp_path / "nodir" / ".." / "v.safetensors")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "is part of the variables file being read")
+    assert variables.read_bytes() == before and not (tmp_path / "nodir").exists()
 
     import safetensors.torch
 
