@@ -276,6 +276,8 @@ def _cmd_verify(args) -> int:
     state_dict = _load_checkpoint(args.checkpoint, args)
     variables, arch = None, None if args.arch == "auto" else args.arch
     differences = []
+    if not args.variables:
+        _refuse_uncomputable(state_dict, args.checkpoint)
     if args.variables:
         from torch_compat._convert import variables_look_like
         from torch_compat._crosscheck import port_differences
@@ -292,7 +294,11 @@ def _cmd_verify(args) -> int:
             raise ConfigError(f"'{args.variables}' holds {looks} variables but {other}: verify compares a "
                               "checkpoint with its own port; pass the variables `jaxport port` wrote for it")
         arch = held
-        state_dict = _as_ported(state_dict, variables, args.variables)
+        state_dict, impossible = _as_ported(state_dict, variables, args.variables)
+        if impossible:  # no port of this checkpoint holds the variables' dtype: nothing to run
+            print(f"weights: {impossible}")
+            print("verify: FAIL: the variables are not the checkpoint's port (re-port it with `jaxport port`)")
+            return EXIT_MISMATCH
         differences = port_differences(state_dict, variables, arch)
     from .models import layer4_side
 
@@ -330,10 +336,27 @@ def _cmd_verify(args) -> int:
     return 0 if ok else EXIT_MISMATCH
 
 
+def _refuse_uncomputable(state_dict, checkpoint: str) -> None:
+    """A float8 checkpoint converts only with a cast (`port --dtype`), which verify has no flag
+    for: the converter's advice, "(CLI --dtype float32)", sent the user to a flag verify lacks."""
+    import torch
+
+    from torch_compat._convert import _FLOAT_DTYPES
+
+    odd = sorted({str(t.dtype).removeprefix("torch.") for t in state_dict.values()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in _FLOAT_DTYPES})
+    if odd:
+        raise ConfigError(f"'{checkpoint}' holds {', '.join(odd)} weights, which jax and numpy cannot compute with; "
+                          f"port it with a cast first (jaxport port {_shell_path(checkpoint)} --dtype float32), then "
+                          f"check that port: jaxport verify {_shell_path(checkpoint)} PORT")
+
+
 def _as_ported(state_dict, variables, shown: str):
     """The checkpoint's weights in the dtype its port holds: a `jaxport port --dtype` port equals
-    torch's cast of the checkpoint, so that is what it is checked against."""
+    torch's cast of the checkpoint, so that is what it is checked against. Returns them, and why
+    no port of the checkpoint can hold that dtype (a value beyond its range), or None."""
     import torch_compat
+    from ._errors import ConversionError
 
     from ._io import flatten
 
@@ -341,11 +364,15 @@ def _as_ported(state_dict, variables, shown: str):
               if np_dtype is not None and (np_dtype.kind == "f" or np_dtype.name == "bfloat16")}
     held = {str(v.dtype).removeprefix("torch.") for v in state_dict.values() if v.is_floating_point()}
     if len(ported) != 1 or held == ported:
-        return state_dict
+        return state_dict, None
     (dtype,) = ported
     print(f"note: '{shown}' holds {dtype} weights and the checkpoint {'/'.join(sorted(held))}: checking it "
           f"against the checkpoint cast to {dtype}, as `jaxport port --dtype {dtype}` writes it")
-    return torch_compat.cast_floating(state_dict, dtype)
+    try:
+        return torch_compat.cast_floating(state_dict, dtype), None
+    except ConversionError as e:  # worded for `port --dtype`, a flag verify does not have
+        beyond = str(e).split(", so the cast", 1)[0]
+        return state_dict, f"{beyond}: no {dtype} port of the checkpoint exists, so '{shown}' is not one"
 
 
 def _cmd_export(args) -> int:

@@ -482,6 +482,26 @@ def test_port_dtype_casts_like_torch_and_verifies(tmp_path, resnet18_checkpoint,
     assert main(["port", str(up), "--out", str(tmp_path / "up.safetensors"), "--dtype", "float32"]) == 0
     assert jaxport.load_variables(tmp_path / "up.safetensors")["params"]["fc"]["kernel"].dtype == np.float32
 
+    # A float16 port checked against a checkpoint with a value beyond float16's range was exit 2
+    # with the converter's advice for `port`, "(CLI --dtype)", a flag verify does not have. No
+    # float16 port of that checkpoint exists, so this one is not its port: a mismatch, status 1.
+    big = tmp_path / "big.pth"
+    torch.save({**sd, "fc.bias": sd["fc.bias"].clone().index_fill_(0, torch.tensor([0]), 1e5)}, big)
+    assert main(["verify", str(big), str(tmp_path / "r18_float16.safetensors"), "--mode", "eval"]) == 1
+    printed = capsys.readouterr().out
+    assert ("weights: state_dict['fc.bias'] holds 100000, beyond float16's range (max 65504): no float16 port of the "
+            "checkpoint exists, so '" in printed and "verify: FAIL: the variables are not the checkpoint's port"
+            in printed), printed
+    # A float8 checkpoint converts only with a cast; verify pointed at the same missing flag.
+    f8 = tmp_path / "f8.pth"
+    torch.save({k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v for k, v in sd.items()}, f8)
+    assert main(["verify", str(f8)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "holds float8_e4m3fn weights, which jax and numpy cannot compute "
+                           f"with; port it with a cast first (jaxport port {f8} --dtype float32), then check that "
+                           f"port: jaxport verify {f8} PORT")
+    assert main(["port", str(f8), "--out", str(tmp_path / "f8.safetensors"), "--dtype", "float32"]) == 0
+    assert main(["verify", str(f8), str(tmp_path / "f8.safetensors"), "--mode", "eval"]) == 0  # as it says
+
 
 def test_port_loads_metadata_saved_beside_the_weights(tmp_path, capsys):
     """`torch.save({**model.state_dict(), "epoch": 3, "arch": "resnet18"})` was refused."""
