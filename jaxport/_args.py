@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
+import shlex
 
 import numpy as np
 
@@ -76,3 +78,11 @@ def one_of(name: str, value, names, *, why: dict[str, str] | None = None,
     fix = f"; did you mean {name} {guess}?" if guess else ""
     reason = (why or {}).get(text.lower(), "")
     raise ConfigError(f"`{name}` (={value!r}) must be one of {', '.join(names)}{reason}{fix}")
+
+
+def shell_word(path: str | os.PathLike) -> str:
+    """`path` as one shell word that a command line reads as a path: quoted where needed, and a
+    relative path starting with '-' as './-x' (quoting alone leaves it an option). For every
+    command an error or hint tells the user to run."""
+    text = str(path)
+    return shlex.quote(f"./{text}" if text.startswith("-") else text)

@@ -24,6 +24,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ._args import shell_word
 from ._parser import Parser, shown
 from ._errors import ConfigError, JaxportError
 
@@ -66,13 +67,6 @@ def _load_checkpoint(path: str, args):
                   + (f" ({describe_keys(dropped)})" if dropped else ""))
         state_dict = kept
     return state_dict
-
-
-def _shell_path(path: str | os.PathLike) -> str:
-    """`path` as one shell word that a command line reads as a path: quoted where needed, and a
-    relative path starting with '-' as './-x' (quoting alone leaves it an option)."""
-    text = str(path)
-    return shlex.quote(f"./{text}" if text.startswith("-") else text)
 
 
 def _loading_flags(args) -> str:
@@ -263,7 +257,7 @@ def _cmd_port(args) -> int:
             as_ported = torch_compat.cast_floating(state_dict, dtype)
             ok = _print_reports(torch_compat.cross_check(as_ported, variables, arch=detected))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
-          if args.verify else f"next: jaxport verify {_shell_path(ckpt)} {_shell_path(out)}"
+          if args.verify else f"next: jaxport verify {shell_word(ckpt)} {shell_word(out)}"
                               f"{_loading_flags(args)}")
     return 0 if ok else EXIT_MISMATCH
 
@@ -347,8 +341,8 @@ def _refuse_uncomputable(state_dict, checkpoint: str) -> None:
                   if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype not in _FLOAT_DTYPES})
     if odd:
         raise ConfigError(f"'{checkpoint}' holds {', '.join(odd)} weights, which jax and numpy cannot compute with; "
-                          f"port it with a cast first (jaxport port {_shell_path(checkpoint)} --dtype float32), then "
-                          f"check that port: jaxport verify {_shell_path(checkpoint)} PORT")
+                          f"port it with a cast first (jaxport port {shell_word(checkpoint)} --dtype float32), then "
+                          f"check that port: jaxport verify {shell_word(checkpoint)} PORT")
 
 
 def _as_ported(state_dict, variables, shown: str):

@@ -26,6 +26,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
+from ._args import shell_word
 from ._errors import CheckpointError, ConfigError
 
 FORMAT = "jaxport.variables"
@@ -366,7 +367,7 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
     if not _holds_variables(keys, metadata):
         raise CheckpointError(
             f"variables file '{path}' holds torch-style keys ({', '.join(keys[:2])}, ...), not Flax variables; "
-            f"it is a torch checkpoint in safetensors form: port it with `jaxport port {path}` "
+            f"it is a torch checkpoint in safetensors form: port it with `jaxport port {shell_word(path)}` "
             "(or torch_compat.load_state_dict + torch_to_flax)")
     start = 8 + int.from_bytes(path.open("rb").read(8), "little")
     mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
@@ -424,7 +425,7 @@ def _open(path: Path) -> tuple[dict, dict[str, str]]:
         if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip or legacy pickle
             raise CheckpointError(
                 f"'{path}' is a torch checkpoint (torch.save), not a Flax variables file: port it first with "
-                f"`jaxport port {path}`, then pass the .safetensors file it writes") from e
+                f"`jaxport port {shell_word(path)}`, then pass the .safetensors file it writes") from e
         raise CheckpointError(
             f"variables file '{path}' is not a valid safetensors file ({e}); it may be truncated or "
             "not a variables file at all: re-create it with `jaxport port`"

@@ -395,14 +395,18 @@ def test_port_and_export_never_replace_a_file_they_did_not_write(tmp_path, monke
 def test_files_of_the_other_kind_are_named(tmp_path, resnet18_checkpoint, capsys):
     """A torch checkpoint given as variables, a port given as a checkpoint, and a torch file
     named .safetensors (torch.load read it as safetensors: 'truncated or corrupt')."""
-    port = tmp_path / "r18.safetensors"
-    assert main(["port", str(resnet18_checkpoint), "--out", str(port)]) == 0
+    # Paths with a space: each hint is a command to run as printed (they were unquoted).
+    checkpoint = tmp_path / "my checkpoint.pth"
+    shutil.copy(resnet18_checkpoint, checkpoint)
+    port = tmp_path / "my port.safetensors"
+    assert main(["port", str(checkpoint), "--out", str(port)]) == 0
     capsys.readouterr()
-    assert main(["export", str(resnet18_checkpoint), "--out", str(tmp_path / "x.pt")]) == 2
+    assert main(["export", str(checkpoint), "--out", str(tmp_path / "x.pt")]) == 2
     _assert_one_line_error(capsys.readouterr().err, "is a torch checkpoint (torch.save), not a Flax variables file",
-                           "jaxport port")
+                           f"`jaxport port '{checkpoint}'`")
     assert main(["port", str(port), "--out", str(tmp_path / "again.safetensors")]) == 2
-    _assert_one_line_error(capsys.readouterr().err, "is already a jaxport variables file", "jaxport export")
+    _assert_one_line_error(capsys.readouterr().err, "is already a jaxport variables file",
+                           f"`jaxport export '{port}' --out model.pt`")
     misnamed = tmp_path / "misnamed.safetensors"
     shutil.copy(resnet18_checkpoint, misnamed)
     assert main(["port", str(misnamed), "--out", str(tmp_path / "m.safetensors")]) == 0

@@ -120,10 +120,11 @@ def test_broken_files_give_one_clear_error(tmp_path, case):
 def test_a_torch_checkpoint_in_safetensors_form_is_named_as_such(tmp_path):
     """The hubs publish torch weights as .safetensors; read as Flax variables they would give a
     tree of `conv1.weight` leaves that fails far away. One error says what the file is."""
-    path = tmp_path / "hub.safetensors"
+    path = tmp_path / "the hub.safetensors"  # the hint quotes it: a command to run as printed
     safetensors.numpy.save_file({"conv1.weight": np.zeros((2, 3), np.float32), "fc.bias": np.zeros(2, np.float32)},
                                 str(path), metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"'.*hub.safetensors' holds torch-style keys .* `jaxport port "):
+    with pytest.raises(CheckpointError, match=r"'.*the hub.safetensors' holds torch-style keys .* `jaxport port "
+                                              r"'.*/the hub.safetensors'`"):
         jaxport.load_variables(path)
 
 

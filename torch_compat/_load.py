@@ -62,6 +62,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from jaxport._args import shell_word
 from jaxport._errors import CheckpointError
 
 # Keys under which training scripts store the weights, in the order they are looked up.
@@ -186,7 +187,7 @@ def load_state_dict(
             raise CheckpointError(
                 f"'{shown}' is already a jaxport variables file (written by `jaxport port` or `jaxport train`), "
                 f"not a torch checkpoint: read it with jaxport.load_variables, or turn it back into a torch "
-                f"state_dict with `jaxport export {shown} --out model.pt`")
+                f"state_dict with `jaxport export {shell_word(shown)} --out model.pt`")
     else:
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip", check_crc=check_crc)
     try:
