@@ -186,6 +186,6 @@ def test_per_row_k_split_over_another_mesh_axis_than_the_rows(mesh, method):
         out = jitted(xs, ks)
     np.testing.assert_array_equal(np.asarray(out), want)
     assert out.sharding.spec == P("a", None)
-    with pytest.raises(ConfigError, match=r"`k` is sharded as P\('b',\) and x's slices as P\('a',\) over Explicit "
+    with pytest.raises(ConfigError, match=r"`k` is sharded as P\('b'\) and x's slices as P\('a'\) over Explicit "
                                           r"mesh axes.*jax.set_mesh"):
         jitted(xs, ks)

@@ -55,7 +55,12 @@ def match_batch(k: jax.Array, key: jax.Array) -> jax.Array:
     except AttributeError:
         mesh = batch.mesh
         if not jax.sharding.get_abstract_mesh().axis_names:  # jax reshards under jit only inside a mesh context
-            raise ConfigError(f"`k` is sharded as {P(*ks)} and x's slices as {P(*bs)} over Explicit mesh axes, "
+            raise ConfigError(f"`k` is sharded as {_spec(ks)} and x's slices as {_spec(bs)} over Explicit mesh axes, "
                               f"which jax cannot combine here; reshard k as x's slices first (jax.sharding.reshard(k, "
-                              f"NamedSharding(mesh, {P(*bs)}))), or call inside `with jax.set_mesh(mesh):`") from None
+                              f"NamedSharding(mesh, {_spec(bs)}))), or call inside `with jax.set_mesh(mesh):`") from None
     return _reshard(k, NamedSharding(mesh, P(*bs)))
+
+
+def _spec(spec: tuple) -> str:
+    """A PartitionSpec as written in code, `P('a', None)` (its repr changed between jax versions)."""
+    return f"P({', '.join(map(repr, spec))})"
