@@ -1,6 +1,6 @@
 # The two set-up commands (see README): `make port` and `make test`.
 # Both create .venv from the pinned set in constraints.txt on first use; nothing else
-# needs to be installed beforehand but python3 >= 3.11 (jax >= 0.7 and the pinned numpy 2.4
+# needs to be installed beforehand but python3 >= 3.11 (jax >= 0.8 and the pinned numpy 2.4
 # need it) with venv and pip.
 PYTHON ?= python3
 VENV   ?= .venv

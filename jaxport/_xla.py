@@ -22,7 +22,7 @@ _CPU_OPTIONS = {
 
 @functools.cache
 def _cpu_options_supported() -> bool:
-    # jaxlib versions without the option (jax >= 0.7 is allowed) reject the whole compile:
+    # jaxlib versions without the option (jax >= 0.8.2 is allowed) reject the whole compile:
     # probe once with a trivial program rather than pin the version.
     try:
         x = jax.device_put(np.float32(0), jax.devices("cpu")[0])
