@@ -192,6 +192,26 @@ def test_ema_missing_is_an_error_listing_keys(tmp_path):
         load_state_dict(flat, ema=True)
 
 
+def test_ema_and_a_prefix_that_select_different_copies_are_named(tmp_path):
+    """torchvision's reference scripts save `{"model": ..., "model_ema": AveragedModel}`. With
+    prefix="model" and ema=True the EMA copy has no `model.` keys and checkpoint['model'] no EMA
+    copy; the error said the file had "no EMA weights" at all."""
+    net = tiny_net()
+    ema = torch.optim.swa_utils.AveragedModel(net)
+    path = save({"model": net.state_dict(), "model_ema": ema.state_dict(), "epoch": 3}, tmp_path / "ref.pth", "zip")
+    with pytest.raises(CheckpointError) as excinfo:
+        load_state_dict(path, prefix="model", ema=True)
+    message = one_line_error(excinfo, path)
+    assert ("`prefix` (='model', CLI --prefix) leads to checkpoint['model'], which holds no EMA weights of its own, "
+            "and the checkpoint's EMA weights have no keys under it: the two select different copies here; pass "
+            "--ema alone for the EMA weights, or --prefix model alone for checkpoint['model']") in message, message
+    assert load_state_dict(path, ema=True).keys() == load_state_dict(path, prefix="model").keys()  # as it says
+    # Without any EMA copy, the error still says exactly that.
+    plain = save({"model": net.state_dict(), "epoch": 3}, tmp_path / "plain.pth", "zip")
+    with pytest.raises(CheckpointError, match=r"has no EMA weights: found top-level keys \['model', 'epoch'\]"):
+        load_state_dict(plain, prefix="model", ema=True)
+
+
 def test_ema_only_checkpoint_needs_ema_flag(tmp_path):
     path = save({"model_ema": tiny_net().state_dict(), "epoch": 3}, tmp_path / "e.pt", "zip")
     with pytest.raises(CheckpointError, match="pass ema=True"):

@@ -50,6 +50,7 @@ import os
 import pickle
 import pickletools
 import re
+import shlex
 import stat
 import struct
 import tarfile
@@ -192,14 +193,26 @@ def load_state_dict(
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip", check_crc=check_crc)
     try:
         return _weights(obj, shown, ema=ema, prefix=prefix, where="")
-    except CheckpointError:
+    except CheckpointError as first:
         # A prefix may name nested dicts instead of a key prefix: DINO saves
         # `{"teacher": {"backbone.conv1.weight": ...}, "student": ...}` (`--prefix teacher.backbone.`).
         nested = _descend(obj, prefix) if prefix is not None else None
         if nested is None:
             raise
         where, inner, rest = nested
-        return _weights(inner, shown, ema=ema, prefix=rest, where=where)
+        try:
+            return _weights(inner, shown, ema=ema, prefix=rest, where=where)
+        except _NoEmaError:
+            if isinstance(first, _NoEmaError):  # no EMA copy anywhere: that first error says so
+                raise first from None
+            # `{"model": sd, "model_ema": ...}` with --prefix model --ema: the EMA copy has no
+            # `model.` keys, and checkpoint['model'] has no EMA copy. This said the file had no
+            # EMA weights at all.
+            raise CheckpointError(
+                f"checkpoint '{shown}': `prefix` (={prefix!r}, CLI --prefix) leads to {where}, which holds no EMA "
+                "weights of its own, and the checkpoint's EMA weights have no keys under it: the two select different "
+                f"copies here; pass --ema alone for the EMA weights, or --prefix {shlex.quote(prefix)} alone for "
+                f"{where}") from None
 
 
 def _weights(obj: Any, shown: str, *, ema: bool, prefix: str | None, where: str) -> dict[str, torch.Tensor]:
@@ -883,6 +896,10 @@ def _is_weights(value: Any) -> bool:
     return isinstance(value, (Mapping, torch.nn.Module))
 
 
+class _NoEmaError(CheckpointError):
+    """`ema=True` found no EMA copy where it looked."""
+
+
 def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping]:
     """Returns (description of where the weights were found, the mapping itself)."""
     if not isinstance(obj, Mapping):
@@ -924,7 +941,7 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
             f"a plain state dict ({len(keys)} tensors)" if is_flat
             else f"top-level keys {shown_keys}"
         )
-        raise CheckpointError(
+        raise _NoEmaError(
             f"ema=True but checkpoint '{shown}' has no EMA weights: found {what}, looked for "
             f"{list(EMA_KEYS)} or an AveragedModel state dict (with n_averaged); load it without ema (CLI: drop --ema)"
         )
