@@ -784,10 +784,20 @@ def _stray_members(shown: str) -> str:
     return f" ({_short_list(stray, 3)})" if stray else ""
 
 
+def _last_frame(error: BaseException) -> str | None:
+    """The name of the function `error` was raised in."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return None if tb is None else tb.tb_frame.f_code.co_name
+
+
 def _corrupt_message(shown: str, kind: str, error: BaseException) -> str:
     text = " ".join(str(error).split()) or "unexpected end of data"
     text = text.split(". This is an internal miniz error")[0]
-    if "saved_id must be a tuple" in text:  # torch's own persistent ids, unpickled as strings
+    # torch's own persistent ids, unpickled as strings. torch 2.6 asserts it without a message.
+    if "saved_id must be a tuple" in text or (isinstance(error, AssertionError) and
+                                              _last_frame(error) == "persistent_load"):
         return _old_pickle_message(shown, 0, torch_magic=True)
     if kind == "zip":
         if "central directory" in text:
