@@ -272,7 +272,7 @@ def _cmd_verify(args) -> int:
     differences = []
     if not args.variables:
         _refuse_uncomputable(state_dict, args.checkpoint)
-    if args.variables:
+    else:
         from torch_compat._convert import variables_look_like
         from torch_compat._crosscheck import port_differences
 
@@ -350,7 +350,7 @@ def _as_ported(state_dict, variables, shown: str):
     torch's cast of the checkpoint, so that is what it is checked against. Returns them, and why
     no port of the checkpoint can hold that dtype (a value beyond its range), or None."""
     import torch_compat
-    from ._errors import ConversionError
+    from torch_compat._convert import OutOfRangeError
 
     from ._io import flatten
 
@@ -364,9 +364,8 @@ def _as_ported(state_dict, variables, shown: str):
           f"against the checkpoint cast to {dtype}, as `jaxport port --dtype {dtype}` writes it")
     try:
         return torch_compat.cast_floating(state_dict, dtype), None
-    except ConversionError as e:  # worded for `port --dtype`, a flag verify does not have
-        beyond = str(e).split(", so the cast", 1)[0]
-        return state_dict, f"{beyond}: no {dtype} port of the checkpoint exists, so '{shown}' is not one"
+    except OutOfRangeError as e:  # its message is worded for `port --dtype`, a flag verify does not have
+        return state_dict, f"{e.beyond}: no {dtype} port of the checkpoint exists, so '{shown}' is not one"
 
 
 def _cmd_export(args) -> int:

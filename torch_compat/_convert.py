@@ -646,6 +646,14 @@ def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: Any) -> dict[st
     return {k: _cast(k, v, cast) for k, v in state_dict.items()}
 
 
+class OutOfRangeError(ConversionError):
+    """A cast would turn a finite value into inf: `beyond` says which value of which tensor."""
+
+    def __init__(self, message: str, beyond: str):
+        super().__init__(message)
+        self.beyond = beyond
+
+
 def _cast(key: str, t: Any, dtype: torch.dtype | None) -> Any:
     if dtype is None or not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype == dtype:
         return t
@@ -659,9 +667,9 @@ def _cast(key: str, t: Any, dtype: torch.dtype | None) -> Any:
         keep = f"keep the dtype ({_FLOAT_DTYPES.get(t.dtype, t.dtype)}: `dtype=None`, CLI --dtype keep)"
         fix = (f"cast to bfloat16 instead (it keeps float32's range), or {keep}"
                if dtype == torch.float16 and big <= torch.finfo(torch.bfloat16).max else keep)
-        raise ConversionError(f"state_dict[{key!r}] holds {big:g}, beyond {_FLOAT_DTYPES[dtype]}'s range (max "
-                              f"{torch.finfo(dtype).max:g}), so the cast to `dtype` (CLI --dtype) would make it inf: "
-                              f"{fix}")
+        beyond = (f"state_dict[{key!r}] holds {big:g}, beyond {_FLOAT_DTYPES[dtype]}'s range "
+                  f"(max {torch.finfo(dtype).max:g})")
+        raise OutOfRangeError(f"{beyond}, so the cast to `dtype` (CLI --dtype) would make it inf: {fix}", beyond)
     return out
 
 

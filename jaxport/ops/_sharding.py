@@ -12,9 +12,9 @@ from typing import Callable
 
 import jax
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from .._errors import ConfigError
-from jax.sharding import PartitionSpec as P
 
 _reshard = getattr(jax.sharding, "reshard", None)  # jax >= 0.6
 

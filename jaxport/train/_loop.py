@@ -673,10 +673,10 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     tx_for = lambda spe: sgd(per_epoch(cosine_annealing_lr(cfg.lr, cfg.epochs), max(spe, 1)),  # noqa: E731
                             momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     if cfg.batch_size == "auto":
+        _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False)
-        _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         cap = data.train.num_examples // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
