@@ -286,10 +286,9 @@ def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n
                       f"one value per channel, which torch refuses (every output would be the bias); {fixes}")
 
 
-def _saved_devices(workdir: str, step: int) -> int:
-    """The device count recorded in checkpoint `step`'s metadata; 0 when it cannot be read."""
-    saved = _checkpoint.peek_meta(workdir, step) or {}
-    n = (saved.get("settings") or {}).get("num_devices")
+def _recorded_devices(meta: dict | None) -> int:
+    """The device count a checkpoint's metadata records; 0 when it does not say."""
+    n = ((meta or {}).get("settings") or {}).get("num_devices")
     return n if isinstance(n, int) else 0
 
 
@@ -361,17 +360,20 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
                               f"in {workdir}; use {flag} {saved.get(key)} to continue that run")
 
 
-def _check_resumable_early(cfg: TrainConfig, data, files) -> None:
+def _check_resumable_early(cfg: TrainConfig, data, files) -> tuple[int | None, dict | None]:
     """`_check_resumable` before the model is built: a --resume of another model or label set
     (or data, seed, size) initialised its model first, compiling for seconds (~6 s for
     ResNet-18, ~12 s for ResNet-50), only to be refused. The latest checkpoint's metadata file is
     read directly, since creating a checkpoint manager is a barrier across processes; what
-    cannot be read here is left to the check before restoring, which reports it."""
+    cannot be read here is left to the check before restoring, which reports it.
+
+    Returns the latest checkpoint's step (None: no checkpoint) and its metadata (None: unreadable)."""
     step = _latest_step(cfg.workdir)
     saved = None if step is None else _checkpoint.peek_meta(cfg.workdir, step)
     if saved is not None:
         batch = {} if cfg.batch_size == "auto" else {"batch_size": cfg.batch_size}  # auto: not known yet
         _check_resumable(saved, _run_meta(cfg, data, files) | batch, cfg.workdir)
+    return step, saved
 
 
 def _run_meta(cfg: TrainConfig, data, files) -> dict:
@@ -640,8 +642,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
     files = data.fingerprint() if data.fingerprint else "digits"  # what --resume and other processes compare
-    if cfg.resume:
-        _check_resumable_early(cfg, data, files)
+    # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
+    # or failing on a file since moved) only to be overwritten.
+    resumed_step, resumed_meta = _check_resumable_early(cfg, data, files) if cfg.resume else (None, None)
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     n_dev, n_proc = mesh.devices.size, jax.process_count()
 
@@ -649,9 +652,6 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     model = build(cfg.arch, num_classes=data.num_classes, bn_axis_name="data" if cfg.sync_bn else None, dtype=dtype)
     fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
     fresh = jax.tree.map(np.asarray, fresh)
-    # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
-    # or failing on a file since moved) only to be overwritten.
-    resumed_step = _latest_step(cfg.workdir) if cfg.resume else None
     if cfg.init and resumed_step is None:
         variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say, cfg.arch)
     else:
@@ -697,7 +697,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                f"a step needs at least one image per device ({n_dev}): add training images")
         raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
     _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev,
-                              None if resumed_step is None else _saved_devices(cfg.workdir, resumed_step))
+                              None if resumed_step is None else _recorded_devices(resumed_meta))
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
     step_fn = make_train_step(model, tx, mesh)
