@@ -143,9 +143,13 @@ def test_a_workdir_with_an_earlier_runs_files_is_left_alone(tmp_path):
             train(_cfg(work, data, init=str(init), resume=resume))
     assert init.read_bytes() == b"weights"
     (work / "checkpoints").mkdir()  # as a run that failed before its first checkpoint leaves it
+    # and a run killed while it wrote its first checkpoint: a fresh run was refused, as if an
+    # earlier run's checkpoints were there ("already holds checkpoints/"), though none can be restored
+    (work / "checkpoints" / "2.orbax-checkpoint-tmp" / "state").mkdir(parents=True)
     (work / "metrics.jsonl").unlink()
     init.unlink()
     train(_cfg(work, data))  # nothing to lose: allowed
+    assert not [n for n in os.listdir(work / "checkpoints") if "tmp" in n]  # and the leftover removed
 
 
 @pytest.mark.slow

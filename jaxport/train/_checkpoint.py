@@ -37,6 +37,7 @@ _TYPES = ocp.type_handlers.create_type_handler_registry(
     (jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False)),
     *((t, ocp.type_handlers.get_type_handler(t)) for t in (np.ndarray, int, float, bytes, np.number, str)))
 
+TMP_DIR_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # of a step orbax is writing: `<step>.orbax-checkpoint-tmp`
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
 _READ_TRIES = 5  # reads of the newest checkpoint by `load_workdir` while a run may be rotating them
 
@@ -83,7 +84,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
     except Exception as e:  # noqa: BLE001 - any failed write: the run cannot go on without checkpoints
         # Orbax leaves its unfinished temporary directory; remove it, it can only hold a partial step.
         for name in os.listdir(where):
-            if name.startswith(f"{step}.") and "tmp" in name:
+            if name.startswith(f"{step}.") and TMP_DIR_SUFFIX in name:
                 shutil.rmtree(os.path.join(where, name), ignore_errors=True)
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC

@@ -174,7 +174,9 @@ def _check_workdir(cfg: TrainConfig) -> None:
 
     A fresh run truncates `metrics.jsonl` and replaces the plot and `variables.safetensors`, so
     a workdir holding any of them (or checkpoints) continues only with `resume`. An empty
-    `checkpoints/` (a run that failed before its first checkpoint) holds nothing to lose.
+    `checkpoints/` (a run that failed before its first checkpoint) holds nothing to lose, nor
+    one holding only `<step>.orbax-checkpoint-tmp` directories (a run killed while it wrote its
+    first checkpoint): no run can restore them, and the new run's checkpoint manager removes them.
     `init` may never be one of those files: the run would read it, then write over it.
     """
     work = os.path.realpath(cfg.workdir)
@@ -192,8 +194,9 @@ def _check_workdir(cfg: TrainConfig) -> None:
     if cfg.resume or not os.path.isdir(work):
         return
     held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))]
-    if os.path.isdir(ckpt) and os.listdir(ckpt):
-        steps = [int(n) for n in os.listdir(ckpt) if n.isdigit()]
+    kept = [n for n in os.listdir(ckpt) if _checkpoint.TMP_DIR_SUFFIX not in n] if os.path.isdir(ckpt) else []
+    if kept:
+        steps = [int(n) for n in kept if n.isdigit()]
         held.insert(0, "checkpoints/" + (f" (latest step {max(steps)})" if steps else ""))
     if held:
         raise ConfigError(f"`--workdir` (={cfg.workdir}) already holds {', '.join(held)} from an earlier run; pass "
