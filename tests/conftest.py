@@ -18,6 +18,15 @@ _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxport-tests-xla-cache-")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# XLA:CPU runs the simulated devices' collectives as threads that meet at a rendezvous, logs
+# when one is 20 s late and aborts the whole process at 40 s (xla_cpu_collective_call_*). On 2
+# cores shared by 2 xdist workers a device's thread can be starved that long: once seen as
+# "Termination timeout for `all gather ...` of 40 seconds exceeded", which killed the worker and
+# its tests. A late thread is only slow here, never a deadlock of the program's own making, and
+# tests that read a command's stderr would take the 20 s log line for output of jaxport's.
+# (Both flags exist from jaxlib 0.8.2, pyproject's floor, on.)
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_cpu_collective_call_warn_stuck_timeout_seconds=900",
+                                    "--xla_cpu_collective_call_terminate_timeout_seconds=1800"]).strip()
 # Keep torch and XLA from oversubscribing the 2 cores when pytest-xdist runs 2 workers.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
