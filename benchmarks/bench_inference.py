@@ -30,20 +30,25 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _argtypes import positive_int, usable_cores  # noqa: E402
 
 GOAL = 1.3
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
-    p.add_argument("--repeats", type=int, nargs="+", default=[5, 3], help="per batch size (last one repeats)")
-    p.add_argument("--size", type=int, default=224)
-    p.add_argument("--torch-threads", type=int, nargs="+", default=None)
+    p.add_argument("--batch", type=positive_int, nargs="+", default=[8, 32])
+    p.add_argument("--repeats", type=positive_int, nargs="+", default=[5, 3], help="per batch size (last one repeats)")
+    p.add_argument("--size", type=positive_int, default=224)
+    p.add_argument("--torch-threads", type=positive_int, nargs="+", default=None,
+                   help="default: the cores this process may use (as XLA's pool), and 1")
     p.add_argument("--xla-flags", default=None, help="set XLA_FLAGS before jax is imported")
-    p.add_argument("--variants", nargs="+", default=["jax", "jax-folded"], help="also: jax-const")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (jax: the matching backend)")
+    p.add_argument("--variants", nargs="+", default=["jax", "jax-folded"], choices=["jax", "jax-const", "jax-folded"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="jax: the matching backend")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--torch-variants", nargs="+", default=None, choices=["eager", "compile"],
                    help="default: eager on CPU, eager and compile on CUDA")
@@ -64,7 +69,10 @@ def main(argv=None) -> None:
     import torch_compat
     from jaxport import models
 
-    cores = os.cpu_count() or 1
+    if gpu and not (torch.cuda.is_available() and jax.default_backend() == "gpu"):
+        p.error(f"--device cuda: torch sees {'a' if torch.cuda.is_available() else 'no'} CUDA device and jax runs on "
+                f"{jax.default_backend()}; both need the GPU (or use --device cpu)")
+    cores = usable_cores()
     threads = a.torch_threads or sorted({cores, 1}, reverse=True)
     jax_device = jax.devices("gpu" if a.device == "cuda" else a.device)[0]
     tdtype, jdtype = {"float32": (torch.float32, jnp.float32), "bfloat16": (torch.bfloat16, jnp.bfloat16)}[a.dtype]

@@ -37,6 +37,10 @@ import torch
 
 import jaxport
 import torch_compat
+from jaxport.models import ARCHS
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # as when run as a script
+from _argtypes import positive_int, usable_cores  # noqa: E402
 
 GOALS = {"port": 1.5, "peak": 2.5, "read": 0.3}
 PAGE = 4096
@@ -177,14 +181,14 @@ def report(res: dict) -> list[str]:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--archs", nargs="+", default=["resnet50", "resnet152"])
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--archs", nargs="+", default=["resnet50", "resnet152"], choices=ARCHS, metavar="ARCH")
+    p.add_argument("--repeats", type=positive_int, default=7)
     p.add_argument("--_child", nargs=4, metavar=("CASE", "PTH", "ARCH", "OUT"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a._child:
         return _memory_child(*a._child)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(f"torch {torch.__version__}, numpy {np.__version__}, {os.cpu_count()} CPUs, repeats={a.repeats}")
+    torch.set_num_threads(usable_cores())
+    print(f"torch {torch.__version__}, numpy {np.__version__}, {usable_cores()} CPUs, repeats={a.repeats}")
     with tempfile.TemporaryDirectory(prefix="jaxport-bench-") as tmp:
         for arch in a.archs:
             t = time.perf_counter()

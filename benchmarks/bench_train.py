@@ -12,7 +12,8 @@ eager and torch.compile, channels_last, autocast bf16.
         # the hand-written VJPs on the GPU, with its 1x1 convs as lax.conv: never run there
         # (with the 1x1 convs as dots, as the model had them before, jax 0.11.2 aborted compiling)
 
-Prints one line per configuration and writes JSON to --out if given.
+Prints one line per configuration and writes JSON to --out if given. `jax_compile_s` is the
+first step's time less a timed step's (the first step compiles); `device` is jax's device kind.
 """
 from __future__ import annotations
 
@@ -23,23 +24,34 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _argtypes import batch_x_size, positive_int, usable_cores  # noqa: E402
+from jaxport.models import ARCHS  # noqa: E402
 
 
 def _parse():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=None, help="BATCHxSIZE, e.g. 16x128 32x224")
-    p.add_argument("--steps", type=int, default=5, help="timed steps (after warm-up)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--configs", nargs="+", type=batch_x_size, default=None, help="BATCHxSIZE, e.g. 16x128 32x224")
+    p.add_argument("--steps", type=positive_int, default=5, help="timed steps (after warm-up)")
+    p.add_argument("--warmup", type=positive_int, default=1, help="untimed steps first (the first one compiles)")
     p.add_argument("--gpu", action="store_true", help="bf16 on the accelerator; torch eager + compiled")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=positive_int, default=usable_cores(),
+                   help="torch intra-op threads (CPU; default: the cores this process may use, as XLA's pool)")
     p.add_argument("--custom-vjps", choices=["auto", "true", "false"], default="auto",
                    help="the model's custom_vjps: auto (None, the default: on XLA:CPU only), true, false; "
                         "the 1x1 convs are dots on XLA:CPU only, whatever this says")
-    p.add_argument("--arch", default="resnet50", help="any of jaxport.models' architectures (default resnet50)")
-    p.add_argument("--classes", type=int, default=1000, help="classifier size (default 1000)")
+    p.add_argument("--arch", default="resnet50", choices=ARCHS, metavar="ARCH",
+                   help="any of jaxport.models' architectures (default resnet50)")
+    p.add_argument("--classes", type=positive_int, default=1000, help="classifier size (default 1000)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--out", default=None)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.gpu:
+        import jax
+
+        if jax.default_backend() != "gpu":  # the jax row would be a CPU bf16 figure, unlabelled
+            p.error(f"--gpu: jax runs on {jax.default_backend()}, not a GPU (is jax's CUDA plugin installed?)")
+    return args
 
 
 def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50", classes=1000):
@@ -61,15 +73,18 @@ def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50
     x, y = shard_batch(mesh, rng.standard_normal((batch, size, size, 3)).astype(np.float32),
                        rng.integers(0, classes, batch).astype(np.int32))
     t = time.perf_counter()
-    for _ in range(warmup):
+    state, m = step(state, x, y)
+    jax.block_until_ready(m)
+    first_s = time.perf_counter() - t  # the compile and one step
+    for _ in range(warmup - 1):
         state, m = step(state, x, y)
     jax.block_until_ready(m)
-    compile_s = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(steps):
         state, m = step(state, x, y)
     jax.block_until_ready((state, m))
-    return batch * steps / (time.perf_counter() - t), compile_s
+    elapsed = time.perf_counter() - t
+    return batch * steps / elapsed, max(0.0, first_s - elapsed / steps)
 
 
 def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", classes=1000):
@@ -109,16 +124,16 @@ def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", clas
 
 def main():
     args = _parse()
-    configs = args.configs or (["256x224"] if args.gpu else ["16x128", "32x224"])
+    configs = args.configs or ([(256, 224)] if args.gpu else [(16, 128), (32, 224)])
+    import jax
     import torch
 
     torch.set_num_threads(args.threads)
     rows = []
-    for c in configs:
-        batch, size = map(int, c.split("x"))
+    for batch, size in configs:
         custom_vjps = {"auto": None, "true": True, "false": False}[args.custom_vjps]
         jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps, args.arch, args.classes)
-        row = {"arch": args.arch, "batch": batch, "size": size, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
+        row = {"device": jax.devices()[0].device_kind, "arch": args.arch, "batch": batch, "size": size, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
                "jax_compile_s": compile_s}
         # Printed before torch runs: torch.compile's compile can outlast a GPU lease's time limit.
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

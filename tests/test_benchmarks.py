@@ -40,3 +40,25 @@ def test_benchmark_runs_at_smoke_size(tmp_path, script):
     assert not missing, f"{script} printed none of {missing}:\n{proc.stdout[-3000:]}"
     # (torch makes its inductor cache directory there on its own)
     assert [n for n in os.listdir(tmp_path) if not n.startswith("torchinductor_")] == [], "left in TMPDIR"
+
+
+@pytest.mark.parametrize("script, args, said", [
+    ("bench_train.py", ["--warmup", "0"], "argument --warmup: expected a whole number >= 1, got 0"),
+    ("bench_train.py", ["--configs", "16"], "argument --configs: expected BATCHxSIZE such as 16x128, got '16'"),
+    ("bench_train.py", ["--gpu"], "--gpu: jax runs on cpu, not a GPU"),
+    ("bench_inference.py", ["--variants", "jax-fold"], "argument --variants: invalid choice: 'jax-fold'"),
+    ("bench_inference.py", ["--device", "cuda"], "--device cuda: torch sees no CUDA device and jax runs on cpu"),
+    ("bench_port.py", ["--repeats", "0"], "argument --repeats: expected a whole number >= 1, got 0"),
+    ("bench_ops.py", ["--shapes", "4x3"], "argument --shapes: expected ROWSxCOLS with ROWS >= 1 and COLS >= 4"),
+])
+def test_a_bad_option_is_a_usage_error_before_any_work(tmp_path, script, args, said):
+    """Counts of 0 and malformed shapes were tracebacks (`StatisticsError: no median for empty
+    data`, `UnboundLocalError`, `high <= 0`), most after minutes of building and compiling; an
+    unknown --variants name timed nothing and exited 0; --gpu without a GPU timed the CPU."""
+    if "cuda" in args and __import__("torch").cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
+                          text=True, cwd=tmp_path, env=env, timeout=300)
+    assert proc.returncode == 2 and said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout == "", proc.stdout
