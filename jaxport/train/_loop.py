@@ -762,6 +762,10 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             say(f"nothing to train: the latest checkpoint is at step {start} and the run ends at step {last_step} "
                 "(raise --epochs or --max-steps to train further)")
         gstep = start
+        # images/s counts from the end of this run's first step, which compiles the step (~20 s
+        # of a ~36 s first epoch for ResNet-18 at 16 px): the first epoch's rate read 2.6x lower
+        # than the next epochs' for the same steps. `seconds` stays the epoch's wall time.
+        compiled = False
         with stops:
             while gstep < last_step:
                 epoch, offset = divmod(gstep, steps_per_epoch)
@@ -777,6 +781,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                                unit="step", dynamic_ncols=True, file=sys.stderr,
                                disable=None if cfg.progress is None else False)  # None: tqdm asks isatty
                 t0, seen = time.perf_counter(), 0
+                t_rate, rated = t0, 0  # the images and time the rate is computed from
                 loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
 
                 def flush():
@@ -786,7 +791,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
                     pending = []
                     if bar is not None:
-                        rate = seen / (time.perf_counter() - t0)
+                        rate = rated / (time.perf_counter() - t_rate) if rated else seen / (time.perf_counter() - t0)
                         bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{sums[1] / sums[2]:.3f}", img_s=f"{rate:.0f}")
 
                 try:
@@ -794,6 +799,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                         state, m = step_fn(state, *shard_batch(mesh, x, y))
                         pending.append(m)
                         gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
+                        if compiled:
+                            rated += batch
+                        else:
+                            jax.block_until_ready(m)
+                            compiled, t_rate = True, time.perf_counter()
                         # An epoch's last step is never a stop point: its evaluation and metrics row follow.
                         stopping = stops.poll(gstep) and s + 1 != steps_per_epoch
                         if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop or stopping:
@@ -827,7 +837,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     break
                 row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
                        "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[epoch]),
-                       "images_per_s": seen / elapsed if seen else None, "seconds": elapsed}
+                       "images_per_s": rated / (elapsed - (t_rate - t0)) if rated else seen / elapsed if seen else None,
+                       "seconds": elapsed}
                 row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
                 meta["epoch_sums"] = [0.0, 0.0, 0.0]
                 # The row before the checkpoint: a run killed between the two resumes before this
