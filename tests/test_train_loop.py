@@ -643,10 +643,11 @@ def test_init_says_whether_the_head_is_kept_and_nothing_before_a_misfit():
     assert said == [], said
 
 
-def test_a_workdir_another_run_is_writing_is_refused(tmp_path):
+def test_a_workdir_another_run_is_writing_is_refused(tmp_path, monkeypatch):
     """Two runs started together into one empty workdir both passed the check for an earlier
     run's files, trained side by side, and both died at their first checkpoint (FileExistsError
-    on each other's temporary directory), all their work lost."""
+    on each other's temporary directory), all their work lost. The refusal then came after
+    loading the data and compiling (minutes for ResNet-50 on a real --data); now before."""
     import fcntl
 
     work = tmp_path / "w"
@@ -656,9 +657,12 @@ def test_a_workdir_another_run_is_writing_is_refused(tmp_path):
     fd = os.open(work, os.O_RDONLY)  # what the other run holds while it trains
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(ConfigError, match=r"`--workdir` \(=\S+w\) is in use by another `jaxport train` run on "
-                                              r"this machine; wait for it to end .*nothing was written"):
-            train(cfg)
+        with monkeypatch.context() as m:
+            m.setattr(_data, "digits", lambda *a, **k: pytest.fail("the data was loaded before the lock was asked"))
+            for resume in (False, True):
+                with pytest.raises(ConfigError, match=r"`--workdir` \(=\S+w\) is in use by another `jaxport train` "
+                                                      r"run on this machine; wait for it to end .*nothing was written"):
+                    train(TrainConfig(**{**cfg.__dict__, "resume": resume}))
     finally:
         os.close(fd)
     assert list(work.iterdir()) == []
@@ -825,3 +829,19 @@ def test_the_failure_watcher_is_stopped_and_joined_before_jax_shuts_down(monkeyp
     assert not watcher.is_alive()
     time.sleep(0.6)  # longer than one poll
     assert calls == []
+
+
+def test_a_checkpoints_directory_that_cannot_be_written_is_refused_before_training(tmp_path, monkeypatch):
+    """A workdir handed over with `chown` without -R: checkpoints/ refused the first checkpoint,
+    after every step up to it had trained, and again on each `--resume` the error advised. (The
+    refusal is simulated: the suite may run as root, whom permission bits do not stop.)"""
+    from jaxport.train import _loop
+
+    real = _loop.unwritable
+    monkeypatch.setattr(_loop, "unwritable", lambda path: "its directory 'X' does not accept new files (Permission "
+                        "denied)" if os.path.basename(os.path.dirname(path)) == "checkpoints" else real(path))
+    monkeypatch.setattr(_data, "digits", lambda *a, **k: pytest.fail("the data was loaded before the check"))
+    for resume in (False, True):
+        with pytest.raises(ConfigError, match=r"`--workdir` \(=\S+w\) cannot hold checkpoints: its directory 'X' does "
+                                              r"not accept new files \(Permission denied\); fix its permissions"):
+            train(TrainConfig(workdir=str(tmp_path / "w"), image_size=16, progress=False, resume=resume))

@@ -191,6 +191,21 @@ def _check_workdir(cfg: TrainConfig) -> None:
     blocked = unwritable(os.path.join(work, "metrics.jsonl"))
     if blocked:
         raise ConfigError(f"`--workdir` (={cfg.workdir}) cannot be written: {blocked}; choose another directory")
+    # checkpoints/ too (a workdir made by another user, handed over with a `chown` without -R):
+    # it was found at the first checkpoint, every step trained until then lost, and so again
+    # on each --resume the error advised.
+    blocked = unwritable(os.path.join(ckpt, "probe"))
+    if blocked:
+        raise ConfigError(f"`--workdir` (={cfg.workdir}) cannot hold checkpoints: {blocked}; fix its permissions, "
+                          "or choose another directory")
+    # A live run's lock, asked now: it was met only after loading the data and compiling (minutes
+    # for ResNet-50 on a real --data). Shared, and released at once, so that the processes of
+    # one multi-process run, which all check here before any of them takes the lock, never
+    # refuse each other.
+    if os.path.isdir(work):
+        fd = _hold_workdir(work, shared=True)
+        if fd is not None:
+            os.close(fd)
     if cfg.resume or not os.path.isdir(work):
         return
     held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))]
@@ -603,17 +618,18 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
             os.close(fd)
 
 
-def _hold_workdir(workdir: str) -> int | None:
+def _hold_workdir(workdir: str, shared: bool = False) -> int | None:
     """An exclusive lock on the workdir for as long as this run writes in it (released when the
     process ends, even by SIGKILL). Two runs started together into one empty workdir both
     passed the check for an earlier run's files, trained side by side, and both died at their
-    first checkpoint on each other's temporary directories, all their work lost."""
+    first checkpoint on each other's temporary directories, all their work lost. `shared`: a
+    shared lock instead, which only a live run's exclusive one refuses (the early check)."""
     try:
         fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:  # a directory that cannot be opened for reading: the check for earlier files remains
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
         raise ConfigError(f"`--workdir` (={workdir}) is in use by another `jaxport train` run on this machine; wait "
