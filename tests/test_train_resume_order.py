@@ -10,6 +10,7 @@ just after the epoch-end checkpoint. Runs are ResNet-18 at 16 px on 16 training 
 """
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -300,3 +301,41 @@ def test_images_per_s_leaves_out_the_compiling_step(tmp_path, monkeypatch, data)
     rows = [json.loads(line) for line in open(tmp_path / "w" / "metrics.jsonl")]
     assert [r["seconds"] for r in rows] == [103.0, 4.0]  # the wall time, compile included
     assert [r["images_per_s"] for r in rows] == [4.0, 4.0]  # 3 steps of 4 images in 3 s; 4 in 4 s
+
+
+def test_an_image_gone_mid_run_checkpoints_the_last_step_and_says_how_to_continue(tmp_path, data, reference,
+                                                                                    monkeypatch):
+    """A class folder moved away after step 5 (the loader fails fetching a later batch): the
+    steps since the last checkpoint (epoch 1's end) were lost, and the advice "restore it, or remove it,
+    then rerun" never continued the run (rerun: the workdir holds a run; removed: --resume
+    refuses the changed --data). Now the last finished step is checkpointed, and restoring the
+    images and resuming ends with the uninterrupted run's rows and weights."""
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    make = _loop.make_train_step
+    calls = []
+
+    def moving_after_step_5(*args, **kwargs):
+        step = make(*args, **kwargs)
+
+        def counted(*a):
+            out = step(*a)
+            calls.append(1)
+            if len(calls) == 5:
+                shutil.move(copy / "a", tmp_path / "a-aside")
+            return out
+        return counted
+
+    with monkeypatch.context() as m:
+        m.setattr(_loop, "make_train_step", moving_after_step_5)
+        with pytest.raises(ConfigError) as e:
+            train(_cfg(tmp_path / "w", copy, checkpoint_every=100))  # only the epochs' ends (4, 8)
+    saved = _steps(tmp_path / "w")[-1]
+    assert saved == len(calls) > 4, (saved, len(calls))  # the last step run, not epoch 1's end
+    assert re.fullmatch(rf"`--data`: image \S+ cannot be read \(FileNotFoundError: .*\), though it could when the "
+                        rf"run started; the run is checkpointed at step {saved}: restore it \(or its permissions\) and "
+                        r"rerun with --resume to continue from there; or remove it and train a new --workdir with "
+                        r"--init \S+w to keep the weights \(a removed image changes --data, which --resume refuses\)",
+                        str(e.value)), str(e.value)
+    shutil.move(tmp_path / "a-aside", copy / "a")
+    _resume_and_compare(tmp_path / "w", copy, reference, monkeypatch)

@@ -25,7 +25,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from .._args import is_int, is_real
+from .._args import is_int, is_real, shell_word
 from .._cpus import usable_cpus
 from .._errors import ConfigError
 
@@ -363,12 +363,33 @@ class _Undecodable:
     reason: str
     unreadable: bool = False  # the file itself (gone, forbidden, an I/O error), not its data
 
-    def error(self) -> ConfigError:
+    def error(self) -> ImageError:
         if self.unreadable:
-            return ConfigError(f"`--data`: image {self.path} cannot be read ({self.reason}), though it could when the "
-                               "run started; restore it (or its permissions), or remove it, then rerun")
-        return ConfigError(f"`--data`: image {self.path} cannot be decoded past its header ({self.reason}); remove "
-                           "it, or re-encode it (open and save it again), then rerun")
+            return ImageError(f"`--data`: image {self.path} cannot be read ({self.reason}), though it could when the "
+                              "run started; restore it (or its permissions), or remove it, then rerun", self)
+        return ImageError(f"`--data`: image {self.path} cannot be decoded past its header ({self.reason}); remove "
+                          "it, or re-encode it (open and save it again), then rerun", self)
+
+
+class ImageError(ConfigError):
+    """An image of `--data` that failed to load after the scan (`_Undecodable`). A training run
+    checkpoints the last step it finished, then tells what continues from there (`after`)."""
+
+    def __init__(self, message: str, bad: _Undecodable):
+        super().__init__(message)
+        self.bad = bad
+
+    def after(self, step: int, workdir: str) -> ImageError:
+        """This error for a run checkpointed at `step`: "then rerun" started over, and removing
+        the image changes `--data`, which --resume refuses, so that advice never continued."""
+        bad, w = self.bad, shell_word(workdir)
+        what = (f"cannot be read ({bad.reason}), though it could when the run started" if bad.unreadable else
+                f"cannot be decoded past its header ({bad.reason})")
+        fix = ("restore it (or its permissions) and rerun with --resume to continue from there" if bad.unreadable else
+               "re-encode it (open and save it again) and rerun with --resume to continue from there")
+        return ImageError(f"`--data`: image {bad.path} {what}; the run is checkpointed at step {step}: {fix}; or "
+                          f"remove it and train a new --workdir with --init {w} to keep the weights (a removed image "
+                          "changes --data, which --resume refuses)", bad)
 
 
 class _Folder:

@@ -832,6 +832,19 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                         if stopping:
                             break
                 except Exception as e:  # noqa: BLE001 - only a loader failing after a stop request is absorbed
+                    if isinstance(e, _data.ImageError) and stops.signum is None and n_proc == 1:
+                        # An image gone or undecodable since the scan: the steps since the last
+                        # checkpoint were lost, up to --checkpoint-every of them. The state is the
+                        # last finished step's (the loader failed fetching the next batch). (With
+                        # more processes the others wait in the next step's collectives, and a
+                        # checkpoint needs them all.)
+                        if pending:
+                            flush()
+                        if gstep and mngr.latest_step() != gstep:
+                            meta["epoch_sums"] = sums.tolist()
+                            _save_finite(mngr, gstep, state, meta, cfg)
+                        if mngr.latest_step() is not None:
+                            raise e.after(mngr.latest_step(), cfg.workdir) from None
                     if stops.signum is None or isinstance(e, JaxportError):
                         raise
                     # The same signal reached the DataLoader's workers, which then fail the next fetch:
