@@ -107,7 +107,7 @@ def test_the_only_checkpoint_unreadable_gives_advice_the_workdir_accepts(tmp_pat
     """"delete .../4 and train again without --resume" was refused at once: the workdir still holds
     metrics.jsonl, which only --resume continues (and --resume with no checkpoint starts at 0)."""
     work = _workdir(tmp_path, [4])
-    (work / "metrics.jsonl").write_text("")
+    (work / "metrics.jsonl").write_text('{"epoch": 0}\n')  # (an empty one holds nothing, and blocks nothing)
     shutil.rmtree(work / "checkpoints" / "4" / "state")
     with pytest.raises(CheckpointError, match=r"it is the only checkpoint: delete \S+4 and rerun with --resume to "
                                               r"train from step 0$"):

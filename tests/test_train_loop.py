@@ -115,11 +115,16 @@ def test_ctrl_c_in_process_raises_interrupted_after_checkpointing(tmp_path):
         if msg.startswith("training"):  # the loop starts right after this line
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
 
+    said = []
     cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=6, checkpoint_every=1000,
                       progress=False, devices=1)
     with pytest.raises(Interrupted) as e:
-        train(cfg, log=log)
+        train(cfg, log=lambda msg: (said.append(msg), log(msg)))
     assert isinstance(e.value, KeyboardInterrupt) and e.value.signum == signal.SIGINT
+    # Said when the signal came: the stop waits for the step (or an epoch's evaluation) and its
+    # checkpoint, and a silent wait drew the second Ctrl-C that lost them.
+    assert ("SIGINT received: stopping after this step (or this epoch's evaluation), once it is checkpointed; "
+            "another Ctrl-C stops at once, without that checkpoint") in said, said
     steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == e.value.step < 6 * 22
     assert signal.getsignal(signal.SIGINT) is before
@@ -845,3 +850,91 @@ def test_a_checkpoints_directory_that_cannot_be_written_is_refused_before_traini
         with pytest.raises(ConfigError, match=r"`--workdir` \(=\S+w\) cannot hold checkpoints: its directory 'X' does "
                                               r"not accept new files \(Permission denied\); fix its permissions"):
             train(TrainConfig(workdir=str(tmp_path / "w"), image_size=16, progress=False, resume=resume))
+
+
+def test_a_second_ctrl_c_stops_at_once_and_names_the_latest_checkpoint(tmp_path, monkeypatch, capfd):
+    """Two Ctrl-C during an epoch's evaluation (minutes on a large val set): the second stops at
+    once, and the line said only "jaxport: interrupted", not what was kept."""
+    from jaxport._cli import main
+    from jaxport.train import _loop
+
+    evaluate = _loop._evaluate
+
+    def twice_interrupted(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # handled: a stop is requested
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGINT)  # the previous handler again: KeyboardInterrupt here
+        time.sleep(5)
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(_loop, "_evaluate", twice_interrupted)
+    code = main(["train", "--workdir", str(tmp_path / "w"), "--image-size", "16", "--batch-size", "64",
+                 "--epochs", "2", "--checkpoint-every", "10", "--no-progress"])
+    err = capfd.readouterr().err
+    assert code == 130, err
+    assert err.splitlines()[-2:] == [
+        "SIGINT received: stopping after this step (or this epoch's evaluation), once it is checkpointed; another "
+        "Ctrl-C stops at once, without that checkpoint",
+        f"jaxport: interrupted: SIGINT: the latest checkpoint, step 20, is in {tmp_path / 'w' / 'checkpoints'}: "
+        "continue with --resume"], err
+
+
+def test_a_failed_final_write_says_the_training_is_kept(tmp_path, monkeypatch):
+    """A disk too full for the final variables file: the run's error said "free some space or
+    write elsewhere" (a new workdir?) though every step was checkpointed; after Ctrl-C, the
+    same error replaced the interruption (status 2, not 130), hiding the checkpoint."""
+    import errno
+    import threading
+
+    from jaxport.train import _loop
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "not enough space to write 'W/variables.safetensors': it needs 44.8 MB and 42.6 MB "
+                                    "are free there; free some space or write elsewhere")
+
+    monkeypatch.setattr(_loop, "_save_final", no_space)
+    cfg = TrainConfig(workdir=str(tmp_path / "w"), image_size=16, batch_size=64, epochs=1, max_steps=2,
+                      progress=False, devices=1)
+    with pytest.raises(CheckpointError, match=r"^training finished at step 2 \(checkpointed in \S+checkpoints\), but "
+                                              r"its final files could not be written: not enough space to write "
+                                              r"'W/variables.safetensors': it needs 44.8 MB and 42.6 MB are free there; "
+                                              r"fix that, then rerun with --resume: it writes them without training$"):
+        train(cfg)
+
+    def log(msg):
+        if msg.startswith("training"):
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+    with pytest.raises(Interrupted, match=r"^SIGINT at step \d+: checkpoint saved in \S+ \(variables.safetensors was "
+                                          r"not written: not enough space to write 'W/variables.safetensors': it "
+                                          r"needs 44.8 MB and 42.6 MB are free there\); continue with --resume$"):
+        train(TrainConfig(**{**cfg.__dict__, "workdir": str(tmp_path / "v"), "max_steps": None, "epochs": 6,
+                             "checkpoint_every": 1000}), log=log)
+    monkeypatch.undo()
+    assert train(TrainConfig(**{**cfg.__dict__, "resume": True}))["steps_run"] == 0  # "writes them without training"
+    assert (tmp_path / "w" / "variables.safetensors").exists()
+
+
+def test_a_metrics_row_that_cannot_be_appended_names_the_file_and_what_is_kept(tmp_path, monkeypatch):
+    """A disk full as the epoch's row was appended: "jaxport: error: No space left on device",
+    no file named; and the empty metrics.jsonl it left made a fresh run refuse the workdir."""
+    import builtins
+    import errno
+
+    from jaxport.train import _loop
+
+    def full_disk_open(path, mode="r", *args, **kwargs):
+        if mode == "a":
+            builtins.open(path, mode).close()  # created empty, as on a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return builtins.open(path, mode, *args, **kwargs)
+
+    cfg = TrainConfig(workdir=str(tmp_path / "w"), image_size=16, batch_size=256, epochs=2, progress=False, devices=1)
+    with monkeypatch.context() as m:
+        m.setattr(_loop, "open", full_disk_open, raising=False)
+        with pytest.raises(CheckpointError, match=r"^could not append epoch 1's row to \S+metrics.jsonl \(No space "
+                                                  r"left on device\); no checkpoint was written yet: fix that, then "
+                                                  r"rerun$"):
+            train(cfg)
+    assert (tmp_path / "w" / "metrics.jsonl").read_text() == ""
+    assert train(cfg)["steps_run"] > 0  # the empty file held nothing: a fresh run is not refused

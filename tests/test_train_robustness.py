@@ -256,7 +256,7 @@ def test_sigterm_before_the_first_step_is_one_line_and_status_143(tmp_path):
     proc = subprocess.run([sys.executable, "-c", _TERM_DURING_SETUP, str(workdir)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 143, (proc.returncode, proc.stderr[-3000:])
-    assert proc.stderr.splitlines()[-1] == "jaxport: interrupted: SIGTERM", proc.stderr
+    assert proc.stderr.splitlines()[-1] == "jaxport: interrupted: SIGTERM: no checkpoint was written", proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (workdir / "checkpoints").exists()
 

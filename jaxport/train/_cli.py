@@ -5,11 +5,12 @@ import argparse
 import contextlib
 import math
 import os
+import signal
 import sys
 
 from .._parser import Parser, shown
 from ..models import ARCHS
-from ._loop import DTYPES, Interrupted, TrainConfig, train
+from ._loop import DTYPES, Interrupted, TrainConfig, _latest_step, train
 
 
 # Settings of the library's `TrainConfig` that are no flag, and how to get them from the command line.
@@ -154,6 +155,13 @@ def run(args: argparse.Namespace) -> int:
     except Interrupted as e:  # SIGINT/SIGTERM: the last finished step was checkpointed
         print(f"jaxport: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
+    except KeyboardInterrupt as e:  # a second signal (or one before training began): stopped at once
+        signum = getattr(e, "signum", signal.SIGINT)
+        latest = _latest_step(args.workdir) if os.path.isdir(os.path.join(args.workdir, "checkpoints")) else None
+        kept = (f"the latest checkpoint, step {latest}, is in {os.path.join(args.workdir, 'checkpoints')}: continue "
+                "with --resume" if latest is not None else "no checkpoint was written")
+        print(f"jaxport: interrupted: {signal.Signals(signum).name}: {kept}", file=sys.stderr)
+        return 128 + signum
     print(summary(result, args.workdir, args.epochs))
     return 0
 

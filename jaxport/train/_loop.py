@@ -208,7 +208,10 @@ def _check_workdir(cfg: TrainConfig) -> None:
             os.close(fd)
     if cfg.resume or not os.path.isdir(work):
         return
-    held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))]
+    # (An empty metrics.jsonl, a run stopped by a full disk as it appended its first row, holds
+    # nothing either.)
+    held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))
+            and not (n == "metrics.jsonl" and os.path.isfile(os.path.join(work, n)) and not os.path.getsize(os.path.join(work, n)))]
     kept = [n for n in os.listdir(ckpt) if _checkpoint.TMP_DIR_SUFFIX not in n] if os.path.isdir(ckpt) else []
     if kept:
         steps = [int(n) for n in kept if n.isdigit()]
@@ -253,10 +256,27 @@ def _read_metrics(path: str, torn_ok: bool = False) -> list[dict]:
     return rows
 
 
-def _append_metrics(path: str, row: dict) -> None:
+def _append_metrics(path: str, row: dict, mngr) -> None:
     # Appended, not rewritten, so `tail -f` follows a run; a kill mid-line is what `torn_ok` drops.
-    with open(path, "a") as f:
-        f.write(json.dumps(row) + "\n")
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    except OSError as e:  # a full disk said only "No space left on device": no file, nothing of what was kept
+        raise CheckpointError(f"could not append epoch {row['epoch'] + 1}'s row to {path} ({_why(e)}); "
+                              f"{_kept(mngr)}") from None
+
+
+def _why(e: OSError) -> str:
+    """What an OSError says failed, without the advice jaxport's writers add after a "; " ("free
+    some space or write elsewhere", which read as if a run's training were lost), and its file."""
+    return (e.strerror or str(e)).split("; ")[0] + (f" ({e.filename})" if e.filename else "")
+
+
+def _kept(mngr) -> str:
+    """What a run stopped by a failed write still has, and how to continue it."""
+    latest = mngr.latest_step()
+    return (f"the latest checkpoint, step {latest}, is intact: fix that, then rerun with --resume to continue from it"
+            if latest is not None else "no checkpoint was written yet: fix that, then rerun")
 
 
 def _latest_step(workdir: str) -> int | None:
@@ -455,10 +475,10 @@ class Interrupted(KeyboardInterrupt):
     """SIGINT (Ctrl-C) or SIGTERM (e.g. a scheduler's preemption) stopped `train` after it had
     checkpointed the last finished step; `--resume` continues exactly from there."""
 
-    def __init__(self, signum: int, step: int, workdir: str):
+    def __init__(self, signum: int, step: int, workdir: str, note: str = ""):
         self.signum, self.step, self.workdir = signum, step, workdir
-        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in {workdir}; "
-                         "continue with --resume")
+        super().__init__(f"{signal.Signals(signum).name} at step {step}: checkpoint saved in {workdir}"
+                         f"{f' ({note})' if note else ''}; continue with --resume")
 
 
 class _StopRequests:
@@ -477,7 +497,8 @@ class _StopRequests:
 
     _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, processes: int):
+    def __init__(self, processes: int, say: Callable[[str], None] = lambda msg: None):
+        self.say = say
         self.multi = processes > 1
         self.enabled = not self.multi and threading.current_thread() is threading.main_thread()
         self.signum: int | None = None
@@ -498,6 +519,11 @@ class _StopRequests:
     def _handle(self, signum, frame):
         self.signum = signum
         self._restore()
+        # Said at once: the stop waits for the step (or the epoch's evaluation, minutes on a large
+        # val set) and the checkpoint, and a silent wait drew the second Ctrl-C that lost them.
+        name = signal.Signals(signum).name
+        self.say(f"{name} received: stopping after this step (or this epoch's evaluation), once it is checkpointed; "
+                 f"another {'Ctrl-C' if signum == signal.SIGINT else name} stops at once, without that checkpoint")
 
     def _restore(self):
         for sig, handler in self._previous.items():
@@ -737,7 +763,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     bar = None
     # Dispatch is asynchronous: XLA's RESOURCE_EXHAUSTED surfaces where a result is waited for
     # (device_get, evaluation, checkpointing), so the whole loop is covered, not one call.
-    stops = _StopRequests(n_proc)
+    stops = _StopRequests(n_proc, say)
     try:
         if cfg.resume and mngr.all_steps():
             saved = _checkpoint.latest_meta(mngr)
@@ -876,7 +902,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                 # neither (DivergedError).
                 _check_weights_finite(state, gstep, mngr, cfg)
                 if lead:
-                    _append_metrics(metrics_path, row)
+                    _append_metrics(metrics_path, row, mngr)
                 _checkpoint.save(mngr, gstep, state, meta)
                 if lead:
                     say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
@@ -890,7 +916,12 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         if lead and isinstance(e, Interrupted):
             # The step just checkpointed: an earlier run's final file (a resumed run's) was left
             # as if it were this run's, steps behind the checkpoints, read silently by --init.
-            _save_final(state, cfg, gstep)
+            try:
+                _save_final(state, cfg, gstep)
+            except OSError as err:  # a full disk: the error replaced the interruption (status 2,
+                # not 130/143) and hid that the step was checkpointed
+                raise Interrupted(e.signum, e.step, e.workdir,
+                                  note=f"{FINAL_VARIABLES} was not written: {_why(err)}") from None
         raise
     except Exception as e:  # noqa: BLE001 - only out-of-memory is translated; the rest propagates
         if bar is not None:
@@ -902,10 +933,15 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         # On every exit: left open, orbax's threads and event loop outlive the error and print
         # asyncio tracebacks ("Event loop is closed") as the interpreter shuts down.
         mngr.close()
-    if lead:  # before the plot: the weights matter more
-        _save_final(state, cfg, gstep)
-    if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-        plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
+    try:
+        if lead:  # before the plot: the weights matter more
+            _save_final(state, cfg, gstep)
+        if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
+            plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
+    except OSError as e:  # "free some space or write elsewhere" read as if the training were lost
+        raise CheckpointError(f"training finished at step {gstep} (checkpointed in "
+                              f"{_checkpoint.checkpoint_dir(cfg.workdir)}), but its final files could not be written: "
+                              f"{_why(e)}; fix that, then rerun with --resume: it writes them without training") from None
     _distributed.finish_together()
     result["state"] = state
     result["steps_run"] = gstep - start
