@@ -200,6 +200,42 @@ def test_a_detectors_backbone_ports_with_its_prefix(tmp_path):
     assert report.ok, report.table()
 
 
+def test_prefix_hints_name_the_whole_prefix_from_the_checkpoints_top(tmp_path, capsys):
+    """Regression: `--prefix backbone` on a detector (ResNet at `backbone.body.`) said to select
+    prefix='body.', which the file does not have; on DINO's layout `--prefix teacher` said
+    'backbone.', and `--prefix backbone.` then said 'teacher.': a loop. `--backbone-only` alone
+    gave no hint at all."""
+    resnet = _headless("resnet18")
+    det = tmp_path / "det.pth"  # torchvision detection's layout: backbone.body (ResNet), backbone.fpn, rpn, ...
+    torch.save({**{f"backbone.body.{k}": v for k, v in resnet.items()},
+                "backbone.fpn.inner_blocks.0.0.weight": torch.zeros(4, 64, 1, 1),
+                "rpn.head.conv.0.0.weight": torch.zeros(4, 4, 3, 3)}, det)
+    dino = tmp_path / "dino.pth"
+    torch.save({"teacher": {f"backbone.{k}": v for k, v in resnet.items()},
+                "student": {f"backbone.{k}": v for k, v in resnet.items()}, "epoch": 3}, dino)
+    hint = "its ResNet is under '{0}': select it with prefix='{0}' (CLI --prefix {0})"
+
+    selected = torch_compat.load_state_dict(det, prefix="backbone")
+    with pytest.raises(ConversionError, match=re.escape(hint.format("backbone.body."))):
+        torch_compat.torch_to_flax(selected)
+    with pytest.raises(ConversionError, match=re.escape(hint.format("backbone.body."))):
+        torch_compat.backbone_state_dict(torch_compat.load_state_dict(det))
+    torch.save(selected, tmp_path / "selected.pth")  # still a state dict that loads weights-only
+    assert list(torch.load(tmp_path / "selected.pth", weights_only=True)) == list(selected)
+
+    for path, flags, whole in ((det, ["--prefix", "backbone"], "backbone.body."),
+                               (det, ["--backbone-only"], "backbone.body."),
+                               (dino, ["--prefix", "teacher"], "teacher.backbone."),
+                               (dino, ["--prefix", "backbone."], "teacher.backbone."),
+                               (dino, [], "teacher.")):
+        out = tmp_path / "out.safetensors"
+        assert main(["port", str(path), *flags, "--out", str(out)]) == 2, flags
+        assert f"prefix='{whole}' (CLI --prefix {whole})" in capsys.readouterr().err, (path.name, flags)
+        if whole != "teacher.":  # the advice, followed, ports
+            assert main(["port", str(path), "--prefix", whole, "--out", str(out)]) == 0, (path.name, flags)
+    capsys.readouterr()
+
+
 def test_cli_ports_mocos_query_encoder_and_exports_the_backbone(tmp_path, capsys):
     path = tmp_path / "moco.pth.tar"
     encoders = _moco(path)

@@ -20,7 +20,7 @@ from jaxport._errors import ConversionError
 from jaxport._io import flatten
 from jaxport.models import ARCHS, ResNetSpec, check_arch
 
-from ._load import describe_keys
+from ._load import applied_prefix, describe_keys
 
 # torch tensor name -> (Flax collection, Flax leaf name, axis permutation torch -> Flax or None)
 _OIHW_TO_HWIO = (2, 3, 1, 0)
@@ -152,17 +152,11 @@ def detect_arch(state_dict: Mapping[str, Any]) -> str:
     _require_state_dict(state_dict)
     keys = set(state_dict)
     if "conv1.weight" not in keys or "layer1.0.conv1.weight" not in keys:
-        nested = [p for p in _prefixes(keys) if f"{p}conv1.weight" in keys and f"{p}layer1.0.conv1.weight" in keys]
         if _is_sequential_children(keys):
             hint = ("; these are torchvision ResNet's children in an nn.Sequential (0 = conv1, 1 = bn1, 4..7 = "
                     "layer1..layer4): rename them with torch_compat.backbone_state_dict (CLI --backbone-only)")
-        elif len(nested) == 1:
-            hint = f"; its ResNet is under '{nested[0]}': select it with prefix={nested[0]!r} (CLI --prefix {nested[0]})"
-        elif nested:  # e.g. MoCo's query and key encoders
-            hint = (f"; it holds ResNets under {', '.join(repr(p) for p in nested)}: select one with prefix "
-                    f"(CLI e.g. --prefix {nested[-1]})")
         else:
-            hint = ""
+            hint = _nested_hint(state_dict)
         raise ConversionError(
             "the state_dict does not look like a torchvision ResNet: expected keys such as "
             f"'conv1.weight' and 'layer1.0.conv1.weight', found {describe_keys(keys)}{hint}"
@@ -176,6 +170,23 @@ def detect_arch(state_dict: Mapping[str, Any]) -> str:
         f"groups={found.groups}, width_per_group={found.width_per_group}, which is none of "
         f"torchvision's named architectures ({', '.join(ARCHS)})"
     )
+
+
+def _nested_hint(state_dict: Mapping[str, Any]) -> str:
+    """'; its ResNet is under ...: select it with prefix=...' for the ResNets nested in
+    `state_dict`, or ''. The prefix is the whole one from the checkpoint's top: what
+    `load_state_dict` already selected comes first (`backbone.` + `body.`), since `prefix` is
+    applied to the file, not to this dict; naming the rest alone sent users round in a loop."""
+    keys = set(state_dict)
+    above = applied_prefix(state_dict)
+    nested = [above + p for p in _prefixes(keys)
+              if f"{p}conv1.weight" in keys and f"{p}layer1.0.conv1.weight" in keys]
+    if len(nested) == 1:
+        return f"; its ResNet is under '{nested[0]}': select it with prefix={nested[0]!r} (CLI --prefix {nested[0]})"
+    if nested:  # e.g. MoCo's query and key encoders
+        return (f"; it holds ResNets under {', '.join(repr(p) for p in nested)}: select one with prefix "
+                f"(CLI e.g. --prefix {nested[-1]})")
+    return ""
 
 
 def _found_spec(state_dict: Mapping[str, Any]) -> ResNetSpec:
@@ -223,6 +234,7 @@ def _check(
     key_of: str,
     looks_like: Callable[[], str | None],
     what: str,
+    above: str = "",
 ) -> None:
     """Raise one ConversionError listing every missing, unexpected and wrong-shape key.
 
@@ -262,7 +274,7 @@ def _check(
     elif outside and "fc.weight" in found_shapes and not any(k.split(".", 1)[0] == "fc" for k in misfits):
         # The backbone and torchvision's `fc` both fit: the extra keys are modules beside them, which
         # --backbone-only would not keep any more than it keeps `fc`.
-        parts.append(_beside_the_head(arch, unexpected))
+        parts.append(_beside_the_head(arch, unexpected, above))
     elif outside:
         # The backbone fits; what does not is outside it: a head that is not torchvision's one
         # Linear `fc` (e.g. `fc = Sequential(Dropout, Linear)`), a projection head: name the way out.
@@ -272,9 +284,10 @@ def _check(
     raise ConversionError(". ".join(parts))
 
 
-def _beside_the_head(arch: str, unexpected: list[str]) -> str:
+def _beside_the_head(arch: str, unexpected: list[str], above: str = "") -> str:
     """The way out when a full ResNet (backbone and `fc`) comes with extra, unexpected keys,
-    naming every group of them to remove (other ResNets under their prefixes, other modules)."""
+    naming every group of them to remove (other ResNets under their prefixes, other modules).
+    `above` is the prefix the state_dict was already selected with, which a prefix to give starts with."""
     nested: list[str] = []
     for p in _prefixes(unexpected):  # shortest first: a ResNet inside another is part of it
         if (f"{p}conv1.weight" in unexpected and f"{p}layer1.0.conv1.weight" in unexpected
@@ -290,8 +303,8 @@ def _beside_the_head(arch: str, unexpected: list[str]) -> str:
         if rest:
             what += f", and other keys ({describe_keys(rest)})"
         return (f"The backbone and the classifier fc fit; the unexpected keys hold {what}: to port "
-                f"{'that one' if len(nested) == 1 else 'one of them'}, select it with prefix={nested[0]!r} "
-                f"(CLI --prefix {nested[0]}); to port this one, {remove}")
+                f"{'that one' if len(nested) == 1 else 'one of them'}, select it with prefix={above + nested[0]!r} "
+                f"(CLI --prefix {above + nested[0]}); to port this one, {remove}")
     return (f"The backbone and the classifier fc fit; the unexpected keys ({describe_keys(unexpected)}) are no part of "
             f"torchvision's {arch}: {remove} (CLI: re-save the checkpoint without them) and port again; "
             "--backbone-only would drop fc as well")
@@ -349,7 +362,8 @@ def check_state_dict(state_dict: Mapping[str, Any], arch: str, *, dtype: Any = N
                               "save the model's own torch.save(model.state_dict(), path)")
     shapes = {k: _torch_load_shape(k, v) for k, v in state_dict.items()}
     entries = table(arch, _table_classes(_num_classes(shapes, "fc.weight", 0)))
-    _check(arch, entries, shapes, "torch_key", lambda: _looks_like(state_dict), "the state_dict's weights")
+    _check(arch, entries, shapes, "torch_key", lambda: _looks_like(state_dict), "the state_dict's weights",
+           above=applied_prefix(state_dict))
     meta = [k for k, v in state_dict.items() if v.is_meta]
     if meta:  # every caller would copy the data (conversion, torchvision's load_state_dict)
         raise ConversionError(f"{len(meta)} tensors of the state_dict ({', '.join(meta[:3])}"
@@ -755,5 +769,5 @@ def backbone_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in BACKBONE_MODULES}
     if not out:
         raise ConversionError(f"the state_dict holds no ResNet backbone keys (conv1, bn1, layer1..layer4); found "
-                              f"{describe_keys(state_dict)}")
+                              f"{describe_keys(state_dict)}{_nested_hint(state_dict)}")
     return out

@@ -57,6 +57,7 @@ import tarfile
 import warnings
 import zipfile
 import zlib
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -156,7 +157,9 @@ def load_state_dict(
 
     Returns:
       A plain dict, keys in file order (safetensors: data order), wrapper prefixes removed,
-      tensors on CPU with their stored dtypes (bf16/fp16 kept).
+      tensors on CPU with their stored dtypes (bf16/fp16 kept). With `prefix`, a dict that also
+      remembers it, so that `detect_arch`'s hint about a ResNet nested deeper names the whole
+      prefix (`backbone.body.`, not `body.`); it pickles as an OrderedDict.
 
     Warns:
       UserWarning: naming the metadata entries (``epoch``, ``arch``, a 0-d ``best_acc1`` tensor,
@@ -192,7 +195,7 @@ def load_state_dict(
     else:
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip", check_crc=check_crc)
     try:
-        return _weights(obj, shown, ema=ema, prefix=prefix, where="")
+        return _selected(_weights(obj, shown, ema=ema, prefix=prefix, where=""), prefix)
     except CheckpointError as first:
         # A prefix may name nested dicts instead of a key prefix: DINO saves
         # `{"teacher": {"backbone.conv1.weight": ...}, "student": ...}` (`--prefix teacher.backbone.`).
@@ -201,7 +204,9 @@ def load_state_dict(
             raise
         where, inner, rest = nested
         try:
-            return _weights(inner, shown, ema=ema, prefix=rest, where=where)
+            return _selected(_weights(inner, shown, ema=ema, prefix=rest, where=where,
+                                      above=prefix.strip(".")[: -len(rest)] if rest else prefix.strip(".") + "."),
+                             prefix)
         except _NoEmaError:
             if isinstance(first, _NoEmaError):  # no EMA copy anywhere: that first error says so
                 raise first from None
@@ -215,8 +220,35 @@ def load_state_dict(
                 f"{where}") from None
 
 
-def _weights(obj: Any, shown: str, *, ema: bool, prefix: str | None, where: str) -> dict[str, torch.Tensor]:
-    found, sd = _select_state_dict(obj, shown, ema=ema)
+class _Selected(dict):
+    """The keys `load_state_dict(..., prefix=...)` selected, remembering that prefix (`.prefix`, with
+    its trailing dot): a hint about a ResNet nested deeper (a Faster R-CNN's `--prefix backbone`
+    leads to `body.*` and `fpn.*`) must name the whole prefix from the checkpoint's top,
+    `backbone.body.`; the rest of it alone, `body.`, is not found there."""
+
+    def __init__(self, sd: Mapping, prefix: str):
+        super().__init__(sd)
+        self.prefix = prefix
+
+    def __reduce__(self):
+        # Pickled as an OrderedDict, as model.state_dict() is: a torch.save of the selection must
+        # load with weights_only=True, which refuses any class of ours.
+        return OrderedDict, (), None, None, iter(self.items())
+
+
+def _selected(sd: dict[str, torch.Tensor], prefix: str | None) -> dict[str, torch.Tensor]:
+    return sd if prefix is None else _Selected(sd, prefix if prefix.endswith(".") else prefix + ".")
+
+
+def applied_prefix(state_dict: Mapping) -> str:
+    """The `prefix` `load_state_dict` selected `state_dict` with ('' for none, or a dict of the
+    caller's): hints about ResNets nested inside it start with it."""
+    return state_dict.prefix if isinstance(state_dict, _Selected) else ""
+
+
+def _weights(obj: Any, shown: str, *, ema: bool, prefix: str | None, where: str,
+             above: str = "") -> dict[str, torch.Tensor]:
+    found, sd = _select_state_dict(obj, shown, ema=ema, prefix=prefix, above=above)
     where = f"{where}{found[len('checkpoint'):]}" if where and found.startswith("checkpoint[") else where or found
     sd = _check_tensors(sd, shown, where)
     stripped = _strip_wrapper_prefixes(sd)
@@ -910,8 +942,13 @@ class _NoEmaError(CheckpointError):
     """`ema=True` found no EMA copy where it looked."""
 
 
-def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping]:
-    """Returns (description of where the weights were found, the mapping itself)."""
+def _select_state_dict(obj: Any, shown: str, *, ema: bool, prefix: str | None = None,
+                       above: str = "") -> tuple[str, Mapping]:
+    """Returns (description of where the weights were found, the mapping itself).
+
+    `prefix` is the one to apply next and `above` the part of it that led to `obj` (both
+    only word a hint, which must give the whole prefix from the checkpoint's top).
+    """
     if not isinstance(obj, Mapping):
         raise CheckpointError(
             f"checkpoint '{shown}' holds {_a(type(obj).__name__)} at the top level, expected a "
@@ -967,14 +1004,33 @@ def _select_state_dict(obj: Any, shown: str, *, ema: bool) -> tuple[str, Mapping
         )
     else:
         holders = [k for k in keys if isinstance(k, str) and _is_weights(obj[k]) and _holds_tensors(obj[k])]
-        if holders:  # DINO's {"teacher": ..., "student": ...}: which one is the user's to say
-            hint = (f"; it holds tensors under {_short_list(holders, 4)}: select one with prefix='{holders[0]}.' "
-                    f"(CLI --prefix {holders[0]}.)")
+        # DINO's {"teacher": ..., "student": ...} with --prefix backbone.: the prefix goes on after
+        # the holder (`teacher.backbone.`); `teacher.` alone would lead back to `backbone.`.
+        rest = prefix.strip(".") + "." if prefix else ""
+        leading = [k for k in holders if rest and _leads_to(obj[k], rest)]
+        if holders:  # which one is the user's to say
+            first = f"{above}{(leading or holders)[0]}.{rest if leading else ''}"
+            hint = (f"; it holds tensors under {_short_list(holders, 4)}: select one with prefix={first!r} "
+                    f"(CLI --prefix {first})")
     raise CheckpointError(
         f"checkpoint '{shown}' has no recognisable state dict: found top-level keys "
         f"{shown_keys}, looked for a dict of tensors or one of the keys {list(STATE_DICT_KEYS)}"
         f"{hint or '; save model.state_dict() with torch.save'}"
     )
+
+
+def _leads_to(value: Any, prefix: str) -> bool:
+    """Whether `prefix` (with its trailing dot) selects something in `value`: keys under it, as
+    written or after the wrapper prefixes, or nested dicts its leading names lead to."""
+    sd = _as_state_dict(value)
+    if not isinstance(sd, Mapping):
+        return False
+    for inner in (sd, *(sd[k] for k in STATE_DICT_KEYS if isinstance(sd.get(k), Mapping))):
+        keys = [k for k in inner if isinstance(k, str)]
+        stripped = _strip_wrapper_prefixes(dict.fromkeys(keys)) if keys else {}
+        if any(k.startswith(prefix) for k in (*keys, *stripped)) or _descend_from(inner, prefix, "") is not None:
+            return True
+    return False
 
 
 def _as_state_dict(value: Any) -> Any:
