@@ -1,4 +1,6 @@
 """jaxport.models against torchvision: structure, options and initialisation."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,7 +108,7 @@ def test_torchvision_option_errors():
     # `layers` shorter than 4 built a smaller network (zip stopped early; torchvision raises);
     # groups=0 was a ZeroDivisionError.
     x = jnp.zeros((1, 32, 32, 3))
-    with pytest.raises(ConfigError, match=r"`layers` \(=\(1, 1\)\) must give the blocks of each of the 4 stages"):
+    with pytest.raises(ConfigError, match=r"`layers` \(=\(1, 1\)\) must be 4 ints >= 1, the blocks of each of the 4 stages"):
         models.ResNet(block="basic", layers=(1, 1)).init(jax.random.key(0), x)
     with pytest.raises(ConfigError, match=r"`groups` \(=0\) must be a positive int"):
         models.ResNet(block="bottleneck", layers=(1, 1, 1, 1), groups=0).init(jax.random.key(0), x)
@@ -115,6 +117,25 @@ def test_torchvision_option_errors():
     # other channel counts stay possible (e.g. a 1-channel stem), as before
     assert models.resnet18().init(jax.random.key(0), jnp.zeros((1, 32, 32, 1)))["params"]["conv1"]["kernel"].shape == (
         7, 7, 1, 64)
+
+
+@pytest.mark.parametrize("layers, torchvision_builds", [((2, 2, 2, 0), [2, 2, 2, 1]), ((2, 2, 2, -1), [2, 2, 2, 1]),
+                                                      ((2, 2, 2, 2, 5), [2, 2, 2, 2]), ((2, 2, 2, 2.0), None)])
+def test_layers_must_be_4_counts_of_at_least_one_block(layers, torchvision_builds):
+    """Regression: init built what torchvision builds for these (a stage of 0 blocks gets one, a
+    5th count is ignored), then apply refused those very variables ("the variables hold basic
+    blocks (2, 2, 2, 1), but the model has basic blocks (2, 2, 2, 0)"). No torchvision ResNet has
+    such counts, so they are refused before init, naming `layers`."""
+    from torchvision.models.resnet import BasicBlock, ResNet
+
+    try:
+        theirs = ResNet(BasicBlock, list(layers))
+        assert [len(getattr(theirs, f"layer{i}")) for i in range(1, 5)] == torchvision_builds
+    except TypeError:  # a float count: torchvision's range() refuses it
+        assert torchvision_builds is None
+    x = jnp.zeros((1, 32, 32, 3))
+    with pytest.raises(ConfigError, match=re.escape(f"`layers` (={layers!r}) must be 4 ints >= 1")):
+        models.ResNet(block="basic", layers=layers, num_classes=4).init(jax.random.key(0), x)
 
 
 def test_custom_resnet_options_match_torchvision():

@@ -298,11 +298,17 @@ class ResNet(nn.Module):
             raise ConfigError(f"`num_classes` (={self.num_classes!r}) must be an int >= 0 "
                               "(0: no classifier, the model returns the pooled features)")
         layers = tuple(self.layers) if isinstance(self.layers, (tuple, list)) else None
-        if layers is None or len(layers) < 4:
-            # zip() stopped at the shortest: (1, 1) built two stages and an fc over 128 features,
-            # where torchvision raises IndexError.
-            raise ConfigError(f"`layers` (={self.layers!r}) must give the blocks of each of the 4 stages, "
-                              "e.g. (2, 2, 2, 2) for resnet18")
+        if layers is None or len(layers) != 4 or not all(is_int(n) and n >= 1 for n in layers):
+            # Fewer than 4: zip() stopped at the shortest, so (1, 1) built two stages and an fc over
+            # 128 features (torchvision raises IndexError). More than 4, or a count below 1: torchvision
+            # builds them anyway, ignoring layers[4:] and making a stage of 0 (or -1) blocks one block
+            # (_make_layer always builds the first), so (2, 2, 2, 0) gives blocks (2, 2, 2, 1); init did
+            # the same here, and then apply refused those very variables as (2, 2, 2, 1) != (2, 2, 2, 0).
+            # No torchvision ResNet has such counts: refuse them before init builds anything.
+            raise ConfigError(f"`layers` (={self.layers!r}) must be 4 ints >= 1, the blocks of each of the 4 "
+                              "stages, e.g. (2, 2, 2, 2) for resnet18; torchvision's ResNet family always has 4 "
+                              "stages of at least one block (torchvision ignores counts after the 4th and "
+                              "builds one block for a count below 1)")
         for name in ("groups", "width_per_group"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
