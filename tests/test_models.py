@@ -276,3 +276,19 @@ def test_variables_that_do_not_fit_the_model_are_named():
     assert models.build_folded("resnet18", num_classes=10).apply(models.fold_batchnorm(v18, "resnet18"), x).shape \
         == (1, 10)
     assert models.resnet18(num_classes=0).apply(v18, x).shape == (1, 512)  # a backbone of a classifier's weights
+
+
+def test_backbone_variables_given_to_a_classifier_are_named():
+    """Regression: the port of a checkpoint without fc (num_classes=0) applied with a model built
+    with classes said only flax's 'Could not find parameter named "kernel" in scope "/fc"'."""
+    headless = {k: v for k, v in torchvision.models.resnet18().state_dict().items() if not k.startswith("fc.")}
+    backbone = torch_compat.torch_to_flax(headless)
+    x = jnp.zeros((1, 32, 32, 3))
+    named = (r"the variables hold no classifier \(fc\): they are a backbone.*but the model was built with "
+             r"num_classes={}: build it with num_classes=0")
+    with pytest.raises(ConfigError, match=named.format(1000)) as raised:
+        models.resnet18().apply(backbone, x)
+    assert "Could not find" not in str(raised.value)
+    with pytest.raises(ConfigError, match=named.format(7)):
+        models.build_folded("resnet18", num_classes=7).apply(models.fold_batchnorm(backbone, "resnet18"), x)
+    assert models.resnet18(num_classes=0).apply(backbone, x).shape == (1, 512)

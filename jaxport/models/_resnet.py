@@ -361,6 +361,12 @@ class ResNet(nn.Module):
             raise ConfigError(f"the variables hold {shown}{hint}, but the model has {self.block} blocks {layers}: "
                               "build the model their architecture names, e.g. jaxport.models.build("
                               f"{like[0] if like else 'arch'!r}, num_classes=...)")
+        if self.num_classes and "fc" not in params:
+            # flax said only 'Could not find parameter named "kernel" in scope "/fc"'.
+            raise ConfigError(f"the variables hold no classifier (fc): they are a backbone, e.g. the port of a "
+                              f"checkpoint without fc, but the model was built with num_classes={self.num_classes}: "
+                              "build it with num_classes=0, which returns the pooled features (or train a "
+                              "classifier on them: jaxport train --init)")
         fc = params.get("fc", {}).get("kernel")
         if fc is not None and self.num_classes and jnp.ndim(fc) == 2 and fc.shape[1] != self.num_classes:
             raise ConfigError(f"the variables' classifier (fc) has {fc.shape[1]} outputs, but the model was built "
