@@ -2,6 +2,7 @@
 import collections
 import functools
 import os
+import re
 import warnings
 
 import numpy as np
@@ -180,6 +181,31 @@ def test_a_distributed_checkpoint_directory_is_named_with_the_way_to_one_file(tm
     assert err.count("\n") == 1 and "dcp_to_torch_save(" in err, err
     dcp_to_torch_save(tmp_path / "step100", tmp_path / "model.pt")
     _assert_same_weights(load_state_dict(tmp_path / "model.pt"), sd)
+
+
+def test_a_file_of_a_distributed_checkpoint_names_its_directory_and_the_way_to_one_file(tmp_path, capsys):
+    """Regression: a DCP shard (`__0_0.distcp`, a series of torch.save zips) given to `jaxport port`
+    was "truncated or corrupt: reading the zip archive failed ...; re-download or re-save it";
+    the directory it belongs to is what converts to one file, as for the directory itself."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "torch.distributed is disabled ... assuming the intent" (one process)
+        warnings.simplefilter("ignore")
+        dcp.save({"model": _resnet18().state_dict()}, checkpoint_id=tmp_path / "step100")
+    shard, metadata = tmp_path / "step100" / "__0_0.distcp", tmp_path / "step100" / ".metadata"
+    assert shard.is_file() and metadata.is_file()
+    way = f"dcp_to_torch_save({str(tmp_path / 'step100')!r}, 'model.pt') and pass that file"
+    for path, what in ((shard, "a shard"), (metadata, "the metadata file")):
+        with pytest.raises(CheckpointError, match=re.escape(f"is {what} of a torch.distributed.checkpoint (DCP) "
+                                                            f"directory, '{tmp_path / 'step100'}'")):
+            load_state_dict(path)
+        assert main(["port", str(path), "--out", str(tmp_path / "out.safetensors")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and way in err and "corrupt" not in err, err
+    alone = tmp_path / "copied.distcp"  # a shard copied without its directory
+    alone.write_bytes(shard.read_bytes())
+    with pytest.raises(CheckpointError, match=r"its .metadata file, which the conversion needs, is not beside it"):
+        load_state_dict(alone)
 
 
 @pytest.mark.parametrize("layout, prefix", [

@@ -166,7 +166,8 @@ def load_state_dict(
         ...) saved beside the weights in the same dict, which are left out.
 
     Raises:
-      CheckpointError: the path is missing, a directory, a pipe, empty, truncated, corrupt or not a
+      CheckpointError: the path is missing, a directory, a pipe, a file of a torch.distributed.checkpoint
+        directory (a shard or its .metadata), empty, truncated, corrupt or not a
         checkpoint (e.g. a tar or zip archive holding one: extract it); its pickle needs
         globals outside the weights-only set, holds numpy values other than bool, integer, float
         and complex scalars and arrays, or uses pickle protocol 0/1 (nothing was run);
@@ -335,11 +336,10 @@ def sniff(shown: str) -> str:
         raise CheckpointError(f"checkpoint '{shown}' cannot be reached: {why}") from None
     if os.path.isdir(shown):
         listing = os.listdir(shown)
-        if ".metadata" in listing and any(name.endswith(".distcp") for name in listing):
+        if _is_dcp_directory(listing):
             raise CheckpointError(
                 f"checkpoint '{shown}' is a torch.distributed.checkpoint (DCP) directory of shards, not one "
-                "checkpoint file; gather it into one with torch.distributed.checkpoint.format_utils."
-                f"dcp_to_torch_save({shown!r}, 'model.pt') and pass that file"
+                f"checkpoint file; {_DCP_FIX.format(it='it', directory=shown)}"
             )
         inside = sorted(
             name for name in listing
@@ -349,6 +349,7 @@ def sniff(shown: str) -> str:
         raise CheckpointError(
             f"checkpoint '{shown}' is a directory{found}; pass the path of a checkpoint file"
         )
+    _refuse_dcp_file(shown)
     if stat.S_ISFIFO(os.stat(shown).st_mode):  # `<(zcat model.pt.gz)`, `cat model.pt | ... /dev/stdin`
         raise CheckpointError(
             f"checkpoint '{shown}' is a pipe, not a file: a checkpoint is read by seeking in it (a zip archive, "
@@ -383,6 +384,36 @@ def sniff(shown: str) -> str:
     raise CheckpointError(
         f"'{shown}' is not a PyTorch or safetensors checkpoint: it looks like "
         f"{_describe(head)}; expected a torch.save file (.pt/.pth/.bin) or a .safetensors file"
+    )
+
+
+_DCP_FIX = ("gather {it} into one with torch.distributed.checkpoint.format_utils.dcp_to_torch_save({directory!r}, "
+            "'model.pt') and pass that file")
+
+
+def _is_dcp_directory(listing: list[str]) -> bool:
+    return ".metadata" in listing and any(name.endswith(".distcp") for name in listing)
+
+
+def _refuse_dcp_file(shown: str) -> None:
+    """A file of a DCP directory (a `__0_0.distcp` shard, or its `.metadata`) is no checkpoint by
+    itself: a shard is a series of torch.save zips, which torch.load read as a corrupt archive
+    ("re-download or re-save it"). The directory is what converts to one file."""
+    directory, name = os.path.split(os.path.abspath(shown))
+    try:
+        listing = os.listdir(directory)
+    except OSError:
+        listing = []
+    if not (name.endswith(".distcp") or (name == ".metadata" and _is_dcp_directory(listing))):
+        return
+    # The directory as the user wrote it ('.' when they named a shard in the current one).
+    shown_dir = os.path.dirname(shown) or "."
+    what = "a shard" if name.endswith(".distcp") else "the metadata file"
+    missing = "" if ".metadata" in listing else (
+        " (its .metadata file, which the conversion needs, is not beside it: use the whole directory as saved)")
+    raise CheckpointError(
+        f"checkpoint '{shown}' is {what} of a torch.distributed.checkpoint (DCP) directory, '{shown_dir}', not a "
+        f"checkpoint file by itself{missing}; {_DCP_FIX.format(it='the directory', directory=shown_dir)}"
     )
 
 
