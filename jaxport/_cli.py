@@ -50,12 +50,16 @@ def _human(n_bytes: float) -> str:
 
 def _load_checkpoint(path: str, args):
     from torch_compat import backbone_state_dict, load_state_dict
+    from torch_compat._convert import dilation_note
     from torch_compat._load import describe_keys
 
     # mmap: the conversion copies every tensor at once, so nothing is read twice and the peak
     # stays near one copy of the weights (see torch_compat.load_state_dict on when not to).
     state_dict = load_state_dict(path, trusted=args.trusted, ema=args.ema, mmap=True, prefix=args.prefix,
                                  check_crc=True)  # ~30 ms per 100 MB: nothing beside the CLI's start
+    note = dilation_note(state_dict)
+    if note:
+        print(f"note: {note}")
     if args.backbone_only:
         kept = backbone_state_dict(state_dict)
         if not set(kept) & set(state_dict):  # renamed, not selected

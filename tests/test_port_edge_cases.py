@@ -208,6 +208,45 @@ def test_a_file_of_a_distributed_checkpoint_names_its_directory_and_the_way_to_o
         load_state_dict(alone)
 
 
+def test_a_segmentation_models_backbone_ports_with_a_note_on_its_dilation(tmp_path, capsys):
+    """Regression: DeepLabV3's `--prefix backbone` ported as a plain resnet50 with no word that
+    torchvision builds that backbone with replace_stride_with_dilation=[False, True, True] (the
+    weights cannot show it), and `verify` PASSed comparing two undilated models. The model the
+    note names computes torchvision's features."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxport import models
+
+    torch.manual_seed(0)
+    seg = torchvision.models.segmentation.deeplabv3_resnet50(weights=None, weights_backbone=None, num_classes=2,
+                                                             aux_loss=True).eval()
+    path, out = tmp_path / "deeplab.pth", tmp_path / "dl.safetensors"
+    torch.save(seg.state_dict(), path)
+    note = ("note: the weights are ported exactly, but they are a torchvision segmentation model's backbone "
+            "(classifier.* beside backbone.*: DeepLabV3 / FCN), which torchvision builds dilated: run them with "
+            "jaxport.models.resnet50(num_classes=0, replace_stride_with_dilation=(False, True, True))")
+    assert main(["port", str(path), "--prefix", "backbone", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.count(note) == 1
+    assert main(["verify", str(path), str(out), "--prefix", "backbone", "--mode", "eval", "--image-size", "32"]) == 0
+    assert capsys.readouterr().out.count(note) == 1
+    # A backbone beside other modules (a detector's FPN) is no segmentation model: no note.
+    det = tmp_path / "det.pth"
+    torch.save({**{f"backbone.{k}": v for k, v in seg.backbone.state_dict().items()},
+                "rpn.head.conv.0.0.weight": torch.zeros(4, 4, 3, 3)}, det)
+    assert main(["port", str(det), "--prefix", "backbone", "--out", str(tmp_path / "det.safetensors")]) == 0
+    assert "note:" not in capsys.readouterr().out
+
+    x = torch.randn(1, 3, 48, 48)
+    with torch.no_grad():
+        want = seg.backbone(x)["out"].mean((2, 3)).numpy()
+    variables = torch_compat.torch_to_flax(load_state_dict(path, prefix="backbone"))
+    with jax.default_matmul_precision("highest"):
+        got = models.resnet50(num_classes=0, replace_stride_with_dilation=(False, True, True)).apply(
+            variables, jnp.asarray(x.permute(0, 2, 3, 1).numpy()))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("layout, prefix", [
     ("dino", "teacher.backbone."),  # DINO: {"teacher": {"backbone.*": ...}, "student": ..., "epoch": ...}
     ("dino", "teacher.backbone"),

@@ -744,6 +744,26 @@ def num_classes_of(state_dict: Mapping[str, Any]) -> int:
                           "(CLI --backbone-only) to port the backbone alone")
 
 
+def dilation_note(state_dict: Mapping[str, Any]) -> str | None:
+    """A note when `state_dict` is the backbone of a torchvision segmentation model, or None.
+
+    `load_state_dict(path, prefix="backbone")` of a DeepLabV3 or FCN checkpoint (`backbone.*`
+    beside `classifier.*` and `aux_classifier.*`) selects a ResNet whose tensors are exactly
+    resnet50's or resnet101's, so it ports as that; but torchvision builds those backbones with
+    `replace_stride_with_dilation=[False, True, True]`, which leaves no trace in the weights
+    (see `detect_arch`), and a model built without it computes other features.
+    """
+    if (applied_prefix(state_dict) != "backbone." or "classifier" not in getattr(state_dict, "beside", ())
+            or "layer4.0.conv1.weight" not in state_dict):
+        return None
+    arch = _looks_like(state_dict)
+    if arch not in ("resnet50", "resnet101"):  # torchvision's segmentation backbones; BasicBlock refuses dilation
+        return None
+    return (f"the weights are ported exactly, but they are a torchvision segmentation model's backbone "
+            f"(classifier.* beside backbone.*: DeepLabV3 / FCN), which torchvision builds dilated: run them with "
+            f"jaxport.models.{arch}(num_classes=0, replace_stride_with_dilation=(False, True, True))")
+
+
 def backbone_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     """The backbone's tensors alone: `conv1`, `bn1`, `layer1`..`layer4`, in their order.
 

@@ -227,9 +227,12 @@ class _Selected(dict):
     leads to `body.*` and `fpn.*`) must name the whole prefix from the checkpoint's top,
     `backbone.body.`; the rest of it alone, `body.`, is not found there."""
 
-    def __init__(self, sd: Mapping, prefix: str):
+    def __init__(self, sd: Mapping, prefix: str, beside: frozenset[str] = frozenset()):
         super().__init__(sd)
         self.prefix = prefix
+        # The top-level names of the keys left out (`classifier`, `aux_classifier`, ...), which
+        # may say what model the selected weights were part of.
+        self.beside = beside
 
     def __reduce__(self):
         # Pickled as an OrderedDict, as model.state_dict() is: a torch.save of the selection must
@@ -238,7 +241,9 @@ class _Selected(dict):
 
 
 def _selected(sd: dict[str, torch.Tensor], prefix: str | None) -> dict[str, torch.Tensor]:
-    return sd if prefix is None else _Selected(sd, prefix if prefix.endswith(".") else prefix + ".")
+    if prefix is None:
+        return sd
+    return _Selected(sd, prefix if prefix.endswith(".") else prefix + ".", getattr(sd, "beside", frozenset()))
 
 
 def applied_prefix(state_dict: Mapping) -> str:
@@ -286,7 +291,8 @@ def _select_prefix(raw: dict[str, torch.Tensor], stripped: dict[str, torch.Tenso
     for sd in (stripped, raw):  # `encoder_q.` after `module.` is removed, or `module.encoder_q.` as written
         selected = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and len(k) > len(prefix)}
         if selected:  # an `AveragedModel` submodule (`model_ema.module.*`, `model_ema.n_averaged`): its weights
-            return _strip_wrapper_prefixes(dict(_without_n_averaged(selected)))
+            beside = frozenset(k.split(".", 1)[0] for k in sd if not k.startswith(prefix))
+            return _Selected(_strip_wrapper_prefixes(dict(_without_n_averaged(selected))), prefix, beside)
     raise CheckpointError(f"checkpoint '{shown}' has no keys under the prefix {prefix!r} (`prefix`, CLI --prefix); "
                           f"its keys are {describe_keys(stripped)}")
 
