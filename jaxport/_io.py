@@ -77,11 +77,14 @@ def unflatten(flat: Mapping[str, Any], sep: str = "/") -> dict[str, Any]:
     return tree
 
 
-def require_space(directory: str | os.PathLike, nbytes: int, what: str) -> None:
-    """Raise OSError(ENOSPC) naming `what` when `nbytes` will not fit in `directory`'s file system.
+def require_space(directory: str | os.PathLike, nbytes: int, what: str, files: int = 1) -> None:
+    """Raise OSError(ENOSPC) naming `what` when `nbytes` in `files` new files (or directories)
+    will not fit in `directory`'s file system.
 
     Writers that run out of space mid-way fail in their own words (safetensors' "os error 28",
-    orbax's RESOURCE_EXHAUSTED), so jaxport asks before writing.
+    orbax's RESOURCE_EXHAUSTED), so jaxport asks before writing. A file system also runs out of
+    inodes with bytes to spare (many small files, a tmpfs or an ext4 made with few): the write
+    fails with the same ENOSPC, so both are asked.
     """
     free = shutil.disk_usage(directory).free
     if free < nbytes:
@@ -92,6 +95,20 @@ def require_space(directory: str | os.PathLike, nbytes: int, what: str) -> None:
             raise OSError(errno.EACCES, f"cannot {what}: {blocked}; write elsewhere")
         raise OSError(errno.ENOSPC, f"not enough space to {what}: it needs {nbytes / 1e6:.1f} MB and "
                                     f"{free / 1e6:.1f} MB are free there; free some space or write elsewhere")
+    inodes = free_inodes(directory)
+    if inodes is not None and inodes < files:
+        # Said apart from bytes: "the disk is full" sent the user to a `df -h` showing space free.
+        needs = f"up to {files} new files" if files > 1 else "a new file"
+        raise OSError(errno.ENOSPC, f"no free inodes (files) left to {what}: it needs {needs} and {inodes} can be "
+                                    f"made there, though {free / 1e6:.1f} MB are free; delete some files there or "
+                                    "write elsewhere")
+
+
+def free_inodes(directory: str | os.PathLike) -> int | None:
+    """How many more files (or directories) `directory`'s file system can make, or None where it
+    does not count them: btrfs, NFS and some FUSE mounts report 0 inodes in all."""
+    st = os.statvfs(directory)
+    return st.f_favail if st.f_files else None
 
 
 def unwritable(path: str | os.PathLike) -> str | None:

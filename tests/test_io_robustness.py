@@ -2,6 +2,7 @@
 file, a SIGTERM mid-write, a dangling symbolic link at the output, a jax that cannot start."""
 import importlib.metadata as md
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -266,3 +267,23 @@ def test_save_variables_names_why_a_path_cannot_be_written(tmp_path):
         with pytest.raises(OSError, match=r"cannot write '/proc/x.safetensors': its directory '/proc' does not "
                                           r"accept new files \(.+\); write elsewhere$"):
             jaxport.save_variables("/proc/x.safetensors", variables)
+
+
+def test_save_variables_on_a_file_system_out_of_inodes_says_so(tmp_path, monkeypatch):
+    """With no inodes left (bytes to spare) the temporary file's creation failed with a bare "No
+    space left on device", read as a full disk, which `df -h` denied. A file system that counts
+    no inodes (btrfs, NFS, /proc: 0 in all) is not refused for it."""
+    real = os.statvfs
+    inodes = {"files": 10**6, "free": 0}
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result(
+        (*real(p)[:5], inodes["files"], inodes["free"], inodes["free"], *real(p)[8:])))
+    variables = {"params": {"w": np.zeros(3, np.float32)}}
+    with pytest.raises(OSError) as e:
+        jaxport.save_variables(tmp_path / "v.safetensors", variables)
+    assert re.fullmatch(rf"no free inodes \(files\) left to write '{re.escape(str(tmp_path))}/v.safetensors': it needs a "
+                        r"new file and 0 can be made there, though [\d.]+ MB are free; delete some files there or "
+                        r"write elsewhere", e.value.strerror), e.value.strerror
+    assert os.listdir(tmp_path) == []
+    inodes["files"] = 0
+    jaxport.save_variables(tmp_path / "v.safetensors", variables)
+    assert os.listdir(tmp_path) == ["v.safetensors"]

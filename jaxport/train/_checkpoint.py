@@ -24,7 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from .._errors import CheckpointError
-from .._io import require_space
+from .._io import free_inodes, require_space
 
 
 # Orbax's default jax.Array handler writes a replicated array "replica-parallel": each device
@@ -40,6 +40,11 @@ _TYPES = ocp.type_handlers.create_type_handler_registry(
 TMP_DIR_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # of a step orbax is writing: `<step>.orbax-checkpoint-tmp`
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
 _READ_TRIES = 5  # reads of the newest checkpoint by `load_workdir` while a run may be rotating them
+# Files and directories a save makes, per process, asked of the file system first: 20-28 in a
+# ResNet-18's step (orbax's metadata files and a dozen OCDBT data files cut by tensorstore's
+# writer threads; each process of a run adds its own `ocdbt.process_N/` tree). Generous: it is
+# there to refuse a file system with next to no inodes left, not to ration them.
+_SAVE_FILES_PER_PROCESS = 64
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -66,32 +71,64 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
     """Save `state` and `meta` at `step` (all processes call it; returns when written).
 
     Raises:
-      CheckpointError: the file system has no room for it (checked first, so orbax's writer
-        threads do not fail mid-way, each with its own traceback), or the write failed; the
-        message names the directory and the latest checkpoint left intact.
+      CheckpointError: the file system has no room for it, in bytes or in inodes (checked first,
+        so orbax's writer threads do not fail mid-way), or the write failed; the message names
+        the directory and the latest checkpoint left intact. A write that fails anyway (another
+        process filled the disk meanwhile) logs nothing: the error is the whole report.
     """
     where = str(mngr.directory)
     try:
-        require_space(where, sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20), "save it")
+        require_space(where, sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20), "save it",
+                      files=_SAVE_FILES_PER_PROCESS * jax.process_count())
     except OSError as e:  # orbax writes a little less than the arrays' bytes: the bound is safe
         raise _not_written(mngr, step, e.strerror) from None
-    absl = logging.getLogger("absl")
-    absl.addFilter(_no_preemption_notice)
+    # Each of orbax's writer threads that fails logs its error with a full traceback in raw absl
+    # format (~140 lines from 3 threads when the inodes ran out) before the one line below says
+    # the same. Held back meanwhile: dropped when the save fails, logged when it succeeds (orbax
+    # logs, and goes on, when the rotation cannot delete the oldest step).
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR:
+            held.append(record)
+            return False
+        return _no_preemption_notice(record)
+
+    loggers = logging.getLogger("absl"), logging.getLogger("orbax")
+    for logger in loggers:
+        logger.addFilter(hold)
     try:
         mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
                   force=True)
         mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - any failed write: the run cannot go on without checkpoints
+        why = _why_not_written(where, e)  # before the removal below frees the inodes it took
         # Orbax leaves its unfinished temporary directory; remove it, it can only hold a partial step.
         for name in os.listdir(where):
             if name.startswith(f"{step}.") and TMP_DIR_SUFFIX in name:
                 shutil.rmtree(os.path.join(where, name), ignore_errors=True)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        full = "No space left on device" in str(e) or getattr(e, "errno", None) == errno.ENOSPC
-        why = "the disk is full: free some space" if full else f"{type(e).__name__}: {first[:300]}"
         raise _not_written(mngr, step, why) from None
     finally:
-        absl.removeFilter(_no_preemption_notice)
+        for logger in loggers:
+            logger.removeFilter(hold)
+    for record in held:
+        logging.getLogger(record.name).handle(record)
+
+
+def _why_not_written(where: str, e: Exception) -> str:
+    """The reason a failed save gives. A file system out of inodes fails a write with ENOSPC, as
+    one out of bytes does (orbax says "No space left on device" for both), so its counts tell."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    if "No space left on device" not in str(e) and getattr(e, "errno", None) != errno.ENOSPC:
+        return f"{type(e).__name__}: {first[:300]}"
+    try:
+        inodes, free = free_inodes(where), shutil.disk_usage(where).free
+    except OSError:
+        inodes, free = None, 0
+    if inodes == 0 and free >= 1 << 20:  # out of both: freeing space frees inodes too
+        return (f"no free inodes (files) left on its file system, though {free / 1e6:.1f} MB are free: delete some "
+                "files there")
+    return "the disk is full: free some space"
 
 
 def _no_preemption_notice(record: logging.LogRecord) -> bool:
