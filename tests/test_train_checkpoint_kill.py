@@ -172,6 +172,61 @@ def test_export_reads_the_newer_step_when_the_run_rotates_the_listed_one_away(tm
     assert sorted(os.listdir(work / "checkpoints")) == ["2"]  # the reader wrote and deleted nothing
 
 
+def _rotation_after_next_listing(monkeypatch):
+    """Orbax's listing of the step directories, where a live run's rotation deletes the oldest
+    step listed right after the next listing once `armed` holds True, before orbax reads that
+    step's metadata (what /tmp/audit_fs/race_export.py did to `jaxport export`). Returns
+    `(armed, listings)`: the steps each listing found."""
+    from orbax.checkpoint._src.path import step as step_lib
+
+    find_all, armed, listings = step_lib._StandardNameFormat.find_all, [False], []
+
+    def listing(self, base_path):
+        found = list(find_all(self, base_path))
+        listings.append(sorted(m.step for m in found))
+        if armed[0] and found:
+            armed[0] = False
+            shutil.rmtree(min(found, key=lambda m: m.step).path)
+        return found
+
+    monkeypatch.setattr(step_lib._StandardNameFormat, "find_all", listing)
+    return armed, listings
+
+
+@pytest.mark.parametrize("race", ["opening", "reloading"])
+def test_export_reads_on_when_the_run_rotates_a_step_away_while_orbax_lists_them(tmp_path, monkeypatch, caplog, race):
+    """Orbax's manager reads each listed step's metadata and commit time when it is made (and
+    reloaded, after the step read was gone): a step the run deleted in between ended 1 export in
+    11 against `jaxport train --checkpoint-every 1 --keep-checkpoints 1` in "No such file or
+    directory: '.../checkpoints/2'", after absl's "WARNING: Metadata file does not exist". The
+    next listing no longer holds that step."""
+    work = _workdir(tmp_path, [1, 2, 3] if race == "opening" else [1], keep=3 if race == "opening" else 1)
+    armed, listings = _rotation_after_next_listing(monkeypatch)
+    read, calls = _checkpoint._read_as_saved, []
+
+    def racing(mngr, step):
+        calls.append(step)
+        if race == "reloading" and len(calls) == 1:
+            # The run saves steps 2 and 3 (deleting 1, the step listed) before this read; its
+            # next rotation deletes step 2 right after the reader lists the steps again.
+            trainer = _checkpoint.manager(str(work), 2)
+            for s in (2, 3):
+                _checkpoint.save(trainer, s, _state(s), {"arch": "resnet18", "epoch_sums": [0.0, 0.0, 0.0]})
+            trainer.close()
+            armed[0] = True
+        return read(mngr, step)
+
+    monkeypatch.setattr(_checkpoint, "_read_as_saved", racing)
+    armed[0] = race == "opening"
+    with caplog.at_level(logging.WARNING):
+        variables, arch = load_workdir(str(work))
+    np.testing.assert_array_equal(variables["params"]["w"], _state(3)["params"]["w"])
+    assert calls == ([3] if race == "opening" else [1, 3]), calls
+    assert listings[-2:] == ([[1, 2, 3], [2, 3]] if race == "opening" else [[2, 3], [3]]), listings
+    assert [r.getMessage() for r in caplog.records] == []
+    assert sorted(os.listdir(work / "checkpoints")) == (["2", "3"] if race == "opening" else ["3"])
+
+
 def test_a_killed_save_leaves_nothing_once_the_run_is_resumed_and_a_reader_removes_nothing(tmp_path, caplog):
     """A SIGKILL while orbax wrote step 5 left `5.orbax-checkpoint-tmp/` (full size). Orbax reused
     it only if the resumed run saved step 5 again, logging "WARNING:absl:Attempted to create

@@ -12,12 +12,13 @@ and the seed are the whole RNG state.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable, Iterator, TypeVar
 
 import jax
 import numpy as np
@@ -39,7 +40,8 @@ _TYPES = ocp.type_handlers.create_type_handler_registry(
 
 TMP_DIR_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # of a step orbax is writing: `<step>.orbax-checkpoint-tmp`
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
-_READ_TRIES = 5  # reads of the newest checkpoint by `load_workdir` while a run may be rotating them
+_T = TypeVar("_T")
+_READ_TRIES = 5  # listings, and reads of the newest step, by `load_workdir` while a run may rotate them
 # Files and directories a save makes, per process, asked of the file system first: 20-28 in a
 # ResNet-18's step (orbax's metadata files and a dozen OCDBT data files cut by tensorstore's
 # writer threads; each process of a run adds its own `ocdbt.process_N/` tree). Generous: it is
@@ -64,7 +66,52 @@ def manager(workdir: str, max_to_keep: int | None = 3, reader: bool = False) -> 
     # Handlers named up front: `item_metadata` (used by `load_workdir`) then knows how to read
     # each item instead of warning that it "could not be restored".
     handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_TYPES), "meta": ocp.JsonCheckpointHandler()}
-    return ocp.CheckpointManager(checkpoint_dir(workdir), options=options, item_handlers=handlers)
+    path = checkpoint_dir(workdir)
+    if reader:
+        return _listing(path, lambda: ocp.CheckpointManager(path, options=options, item_handlers=handlers))
+    return ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+
+
+def _listing(path: str, list_steps: Callable[[], _T]) -> _T:
+    """`list_steps()` (a reader's manager made, or reloaded), tried again where a step it listed
+    was gone when orbax read it: a run training into the workdir deletes its oldest step once it
+    has saved a newer one, and the next listing no longer holds it.
+
+    Orbax lists `path`'s step directories, then reads each one's commit time and metrics; the
+    rotation between the two ended 1 export in 11 against `jaxport train --checkpoint-every 1
+    --keep-checkpoints 1` in "No such file or directory: '.../checkpoints/2'", after absl's
+    "Metadata file does not exist" warning. Orbax's loggers are quiet meanwhile: it warns of each
+    step without metadata, which is this race, or a step a killed rotation left half-deleted,
+    which the read that follows reports.
+
+    Raises:
+      CheckpointError: steps vanished in each of `_READ_TRIES` listings.
+    """
+    for _ in range(_READ_TRIES):
+        try:
+            with _quiet():
+                return list_steps()
+        except FileNotFoundError as e:
+            gone = os.path.abspath(e.filename) if isinstance(e.filename, str) else ""
+            if not (gone.startswith(path + os.sep) and os.path.isdir(path)):
+                raise  # not a step in a listing: checkpoints/ itself, or a file of orbax's own
+    raise CheckpointError(f"the checkpoints in {path} were deleted while they were listed, {_READ_TRIES} times "
+                          "in a row (a run saving into it deletes its oldest step at each save): try again")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Orbax's and absl's loggers silenced for the block: what they would say reached the CLI's
+    terminal in raw absl format, beside the one line that says what went wrong."""
+    quiet = logging.getLogger("absl"), logging.getLogger("orbax")
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
@@ -212,17 +259,11 @@ def _reads(mngr: ocp.CheckpointManager, step: int) -> bool:
     """Whether checkpoint `step` reads whole (only asked on the way to an error: it reads every array)."""
     # Orbax logs a warning (on stderr, beside the CLI's one-line error) for each item it cannot
     # read; the answer here is the whole report, so its loggers are quiet meanwhile.
-    quiet = logging.getLogger("absl"), logging.getLogger("orbax")
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.CRITICAL)
     try:
-        _read_as_saved(mngr, step)
+        with _quiet():
+            _read_as_saved(mngr, step)
     except Exception:  # noqa: BLE001 - any failure to read is the answer
         return False
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
     return True
 
 
@@ -327,7 +368,7 @@ def read_latest(workdir: str) -> tuple[dict, str | None, int]:
                 # saved: with --keep-checkpoints 1 an export made meanwhile found the step it had
                 # listed gone midway (6 of 12 exports), and called it unreadable. A newer step
                 # means that race, not damage: read the newest again.
-                mngr.reload()
+                _listing(path, mngr.reload)  # the rotation may delete another step meanwhile
                 newer = sorted(s for s in mngr.all_steps() if s > steps[-1])
                 if not newer or attempt + 1 == _READ_TRIES:
                     raise _unreadable(mngr, steps[-1], e, reading=instead) from None
