@@ -213,6 +213,12 @@ def test_prefix_hints_name_the_whole_prefix_from_the_checkpoints_top(tmp_path, c
     dino = tmp_path / "dino.pth"
     torch.save({"teacher": {f"backbone.{k}": v for k, v in resnet.items()},
                 "student": {f"backbone.{k}": v for k, v in resnet.items()}, "epoch": 3}, dino)
+    # A reference script's EMA copy of a detector: `model_ema.` + AveragedModel's `module.`, which
+    # the selection strips; the hint said `model_ema.backbone.body.`, which the file does not have.
+    ema = tmp_path / "ema.pth"
+    torch.save({**{f"model_ema.module.backbone.body.{k}": v for k, v in resnet.items()},
+                "model_ema.module.backbone.fpn.w": torch.zeros(4, 64, 1, 1), "model_ema.n_averaged": torch.tensor(3),
+                **{f"model.backbone.body.{k}": v for k, v in resnet.items()}}, ema)
     hint = "its ResNet is under '{0}': select it with prefix='{0}' (CLI --prefix {0})"
 
     selected = torch_compat.load_state_dict(det, prefix="backbone")
@@ -227,7 +233,8 @@ def test_prefix_hints_name_the_whole_prefix_from_the_checkpoints_top(tmp_path, c
                                (det, ["--backbone-only"], "backbone.body."),
                                (dino, ["--prefix", "teacher"], "teacher.backbone."),
                                (dino, ["--prefix", "backbone."], "teacher.backbone."),
-                               (dino, [], "teacher.")):
+                               (dino, [], "teacher."),
+                               (ema, ["--prefix", "model_ema"], "model_ema.module.backbone.body.")):
         out = tmp_path / "out.safetensors"
         assert main(["port", str(path), *flags, "--out", str(out)]) == 2, flags
         assert f"prefix='{whole}' (CLI --prefix {whole})" in capsys.readouterr().err, (path.name, flags)

@@ -230,12 +230,23 @@ def test_a_segmentation_models_backbone_ports_with_a_note_on_its_dilation(tmp_pa
     assert capsys.readouterr().out.count(note) == 1
     assert main(["verify", str(path), str(out), "--prefix", "backbone", "--mode", "eval", "--image-size", "32"]) == 0
     assert capsys.readouterr().out.count(note) == 1
-    # A backbone beside other modules (a detector's FPN) is no segmentation model: no note.
-    det = tmp_path / "det.pth"
+    # Saved by torchvision's reference scripts, {"model": ..., "epoch": ...}: the hint for
+    # `--prefix model` is `model.backbone.`, and that selection is the same segmentation backbone.
+    ref = tmp_path / "ref.pth"
+    torch.save({"model": seg.state_dict(), "epoch": 3}, ref)
+    assert main(["port", str(ref), "--prefix", "model.backbone.", "--out", str(out), "--force"]) == 0
+    assert capsys.readouterr().out.count(note) == 1
+    # A backbone beside other modules (a detector's FPN) is no segmentation model: no note; nor
+    # is a classifier's `self.backbone = resnet50(); self.classifier = nn.Linear(...)` (a 2-D head).
+    det, clf = tmp_path / "det.pth", tmp_path / "clf.pth"
     torch.save({**{f"backbone.{k}": v for k, v in seg.backbone.state_dict().items()},
                 "rpn.head.conv.0.0.weight": torch.zeros(4, 4, 3, 3)}, det)
-    assert main(["port", str(det), "--prefix", "backbone", "--out", str(tmp_path / "det.safetensors")]) == 0
-    assert "note:" not in capsys.readouterr().out
+    torch.save({**{f"backbone.{k}": v for k, v in seg.backbone.state_dict().items()},
+                "classifier.weight": torch.zeros(7, 2048), "classifier.bias": torch.zeros(7)}, clf)
+    for other in (det, clf):
+        assert main(["port", str(other), "--prefix", "backbone", "--out", str(tmp_path / "o.safetensors"),
+                     "--force"]) == 0
+        assert "note:" not in capsys.readouterr().out, other.name
 
     x = torch.randn(1, 3, 48, 48)
     with torch.no_grad():

@@ -753,8 +753,12 @@ def dilation_note(state_dict: Mapping[str, Any]) -> str | None:
     `replace_stride_with_dilation=[False, True, True]`, which leaves no trace in the weights
     (see `detect_arch`), and a model built without it computes other features.
     """
-    if (applied_prefix(state_dict) != "backbone." or "classifier" not in getattr(state_dict, "beside", ())
-            or "layer4.0.conv1.weight" not in state_dict):
+    # The selection's own prefix ends in `backbone.` (a reference script's `model.backbone.` too),
+    # and the `classifier` beside it is a conv head (DeepLabHead, FCNHead: 4-D weights), not the
+    # Linear of a `self.backbone = resnet50(); self.classifier = nn.Linear(...)` classifier.
+    prefix = applied_prefix(state_dict)
+    if (not (prefix == "backbone." or prefix.endswith(".backbone.")) or "layer4.0.conv1.weight" not in state_dict
+            or getattr(state_dict, "beside", {}).get("classifier", 0) != 4):
         return None
     arch = _looks_like(state_dict)
     if arch not in ("resnet50", "resnet101"):  # torchvision's segmentation backbones; BasicBlock refuses dilation

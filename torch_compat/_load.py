@@ -227,12 +227,16 @@ class _Selected(dict):
     leads to `body.*` and `fpn.*`) must name the whole prefix from the checkpoint's top,
     `backbone.body.`; the rest of it alone, `body.`, is not found there."""
 
-    def __init__(self, sd: Mapping, prefix: str, beside: frozenset[str] = frozenset()):
+    def __init__(self, sd: Mapping, prefix: str, beside: Mapping[str, int] | None = None, head: str = ""):
         super().__init__(sd)
-        self.prefix = prefix
-        # The top-level names of the keys left out (`classifier`, `aux_classifier`, ...), which
-        # may say what model the selected weights were part of.
-        self.beside = beside
+        # `head`: wrapper prefixes removed inside the selection (`model_ema.` + `module.` of an
+        # AveragedModel), which a prefix naming a deeper module must go on to include.
+        self.head = head
+        self.prefix = prefix + head
+        # The top-level names of the keys left out (`classifier`, `aux_classifier`, ...), each with
+        # the most dimensions among its tensors (a conv head's 4, a Linear's 2): they may say what
+        # model the selected weights were part of.
+        self.beside = dict(beside or {})
 
     def __reduce__(self):
         # Pickled as an OrderedDict, as model.state_dict() is: a torch.save of the selection must
@@ -243,7 +247,8 @@ class _Selected(dict):
 def _selected(sd: dict[str, torch.Tensor], prefix: str | None) -> dict[str, torch.Tensor]:
     if prefix is None:
         return sd
-    return _Selected(sd, prefix if prefix.endswith(".") else prefix + ".", getattr(sd, "beside", frozenset()))
+    return _Selected(sd, prefix if prefix.endswith(".") else prefix + ".", getattr(sd, "beside", None),
+                     getattr(sd, "head", ""))
 
 
 def applied_prefix(state_dict: Mapping) -> str:
@@ -291,8 +296,15 @@ def _select_prefix(raw: dict[str, torch.Tensor], stripped: dict[str, torch.Tenso
     for sd in (stripped, raw):  # `encoder_q.` after `module.` is removed, or `module.encoder_q.` as written
         selected = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and len(k) > len(prefix)}
         if selected:  # an `AveragedModel` submodule (`model_ema.module.*`, `model_ema.n_averaged`): its weights
-            beside = frozenset(k.split(".", 1)[0] for k in sd if not k.startswith(prefix))
-            return _Selected(_strip_wrapper_prefixes(dict(_without_n_averaged(selected))), prefix, beside)
+            beside: dict[str, int] = {}
+            for k, v in sd.items():
+                if not k.startswith(prefix):
+                    name = k.split(".", 1)[0]
+                    beside[name] = max(beside.get(name, 0), getattr(v, "ndim", 0))
+            inner = dict(_without_n_averaged(selected))
+            kept = _strip_wrapper_prefixes(inner)
+            first, stripped = next(iter(inner), ""), next(iter(kept), "")
+            return _Selected(kept, prefix, beside, head=first[:len(first) - len(stripped)])
     raise CheckpointError(f"checkpoint '{shown}' has no keys under the prefix {prefix!r} (`prefix`, CLI --prefix); "
                           f"its keys are {describe_keys(stripped)}")
 
