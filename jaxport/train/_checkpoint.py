@@ -191,10 +191,14 @@ def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
 
 
 def _not_written(mngr: ocp.CheckpointManager, step: int, why: str) -> CheckpointError:
+    return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; {kept(mngr)}")
+
+
+def kept(mngr: ocp.CheckpointManager) -> str:
+    """What a run stopped by a failed write still has, and how to continue it."""
     latest = mngr.latest_step()
-    kept = (f"the latest checkpoint, step {latest}, is intact: rerun with --resume to continue from it"
+    return (f"the latest checkpoint, step {latest}, is intact: rerun with --resume to continue from it"
             if latest is not None else "no checkpoint was written yet")
-    return CheckpointError(f"could not write checkpoint step {step} in {mngr.directory}: {why}; {kept}")
 
 
 def _unreadable(mngr: ocp.CheckpointManager, step: int, err: Exception, *,

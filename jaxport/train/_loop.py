@@ -210,8 +210,8 @@ def _check_workdir(cfg: TrainConfig) -> None:
         return
     # (An empty metrics.jsonl, a run stopped by a full disk as it appended its first row, holds
     # nothing either.)
-    held = [n for n in OUTPUTS if os.path.exists(os.path.join(work, n))
-            and not (n == "metrics.jsonl" and os.path.isfile(os.path.join(work, n)) and not os.path.getsize(os.path.join(work, n)))]
+    held = [n for n in OUTPUTS if os.path.exists(path := os.path.join(work, n))
+            and not (n == "metrics.jsonl" and os.path.isfile(path) and not os.path.getsize(path))]
     kept = [n for n in os.listdir(ckpt) if _checkpoint.TMP_DIR_SUFFIX not in n] if os.path.isdir(ckpt) else []
     if kept:
         steps = [int(n) for n in kept if n.isdigit()]
@@ -263,20 +263,13 @@ def _append_metrics(path: str, row: dict, mngr) -> None:
             f.write(json.dumps(row) + "\n")
     except OSError as e:  # a full disk said only "No space left on device": no file, nothing of what was kept
         raise CheckpointError(f"could not append epoch {row['epoch'] + 1}'s row to {path} ({_why(e)}); "
-                              f"{_kept(mngr)}") from None
+                              f"{_checkpoint.kept(mngr)}") from None
 
 
 def _why(e: OSError) -> str:
     """What an OSError says failed, without the advice jaxport's writers add after a "; " ("free
     some space or write elsewhere", which read as if a run's training were lost), and its file."""
     return (e.strerror or str(e)).split("; ")[0] + (f" ({e.filename})" if e.filename else "")
-
-
-def _kept(mngr) -> str:
-    """What a run stopped by a failed write still has, and how to continue it."""
-    latest = mngr.latest_step()
-    return (f"the latest checkpoint, step {latest}, is intact: fix that, then rerun with --resume to continue from it"
-            if latest is not None else "no checkpoint was written yet: fix that, then rerun")
 
 
 def _latest_step(workdir: str) -> int | None:
@@ -823,7 +816,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                                unit="step", dynamic_ncols=True, file=sys.stderr,
                                disable=None if cfg.progress is None else False)  # None: tqdm asks isatty
                 t0, seen = time.perf_counter(), 0
-                t_rate, rated = t0, 0  # the images and time the rate is computed from
+                t_rate, unrated = t0, 0  # the rate counts from t_rate, without the images before it
                 loader = data.train.stream(_batches(order, offset, stop, batch, jax.process_index(), n_proc), epoch)
 
                 def flush():
@@ -833,6 +826,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     sums += [sum(float(p["loss"]) * batch for p in got), sum(int(p["correct"]) for p in got), batch * len(got)]
                     pending = []
                     if bar is not None:
+                        rated = seen - unrated
                         rate = rated / (time.perf_counter() - t_rate) if rated else seen / (time.perf_counter() - t0)
                         bar.set_postfix(loss=f"{sums[0] / sums[2]:.3f}", acc=f"{sums[1] / sums[2]:.3f}", img_s=f"{rate:.0f}")
 
@@ -841,11 +835,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                         state, m = step_fn(state, *shard_batch(mesh, x, y))
                         pending.append(m)
                         gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
-                        if compiled:
-                            rated += batch
-                        else:
+                        if not compiled:
                             jax.block_until_ready(m)
-                            compiled, t_rate = True, time.perf_counter()
+                            compiled, t_rate, unrated = True, time.perf_counter(), seen
                         # An epoch's last step is never a stop point: its evaluation and metrics row follow.
                         stopping = stops.poll(gstep) and s + 1 != steps_per_epoch
                         if len(pending) >= 10 or gstep % cfg.checkpoint_every == 0 or s + 1 == stop or stopping:
@@ -892,7 +884,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     break
                 row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
                        "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[epoch]),
-                       "images_per_s": rated / (elapsed - (t_rate - t0)) if rated else seen / elapsed if seen else None,
+                       "images_per_s": ((seen - unrated) / (elapsed - (t_rate - t0)) if seen > unrated else
+                                        seen / elapsed if seen else None),
                        "seconds": elapsed}
                 row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
                 meta["epoch_sums"] = [0.0, 0.0, 0.0]
