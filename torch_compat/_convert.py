@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from jaxport._cpus import host_pool
+from jaxport._cpus import host_pool, on_host_pool
 from jaxport._errors import ConversionError
 from jaxport._io import flatten
 from jaxport.models import ARCHS, ResNetSpec, check_arch
@@ -616,15 +616,23 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
 
     big = [e for e in entries if e.torch_key in state_dict and _nbytes(state_dict[e.torch_key]) >= _PARALLEL_MIN_BYTES]
     big.sort(key=lambda e: -_nbytes(state_dict[e.torch_key]))  # largest first balances the threads
-    futures = {e.torch_key: host_pool().submit(convert, e) for e in big} if len(big) > 1 else {}
+    # Called from one of the pool's own threads, it converts inline: waiting there for the
+    # pool's other threads could deadlock (each of them waiting the same way).
+    pooled = len(big) > 1 and not on_host_pool()
+    futures = {e.torch_key: host_pool().submit(convert, e) for e in big} if pooled else {}
     out: dict[str, dict] = {"params": {}, "batch_stats": {}}
-    for e in entries:
-        f = futures.get(e.torch_key)
-        a = f.result() if f is not None else convert(e)
-        node = out[e.collection]
-        for name in e.flax_path[:-1]:
-            node = node.setdefault(name, {})
-        node[e.flax_path[-1]] = a
+    try:
+        for e in entries:
+            f = futures.get(e.torch_key)
+            a = f.result() if f is not None else convert(e)
+            node = out[e.collection]
+            for name in e.flax_path[:-1]:
+                node = node.setdefault(name, {})
+            node[e.flax_path[-1]] = a
+    except BaseException:  # e.g. Ctrl-C: the copies not yet started are dropped
+        for f in futures.values():
+            f.cancel()
+        raise
     return out
 
 

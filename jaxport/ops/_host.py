@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .._cpus import host_pool, usable_cpus
+from .._cpus import finish, host_pool, on_host_pool, usable_cpus
 
 _MIN_WORK_PER_THREAD = 1 << 16  # elements; below this the thread hand-off costs more than it saves
 # Threads pay off only when each numpy call holds the GIL-free part long enough: `topk_rows`
@@ -30,13 +30,13 @@ def _parallel_rows(fn, rows: int, n: int, threads: int | None = None) -> None:
     """Calls fn(lo, hi) over contiguous row blocks, in parallel when the work is large enough."""
     threads = usable_cpus() if threads is None else threads
     chunks = min(threads, rows, max(1, rows * n // _MIN_WORK_PER_THREAD))
-    if chunks <= 1:
+    if chunks <= 1 or on_host_pool():
         fn(0, rows)
         return
     bounds = np.linspace(0, rows, chunks + 1).astype(int)
-    futures = [host_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:])]
-    for f in futures:
-        f.result()
+    # `finish`: the chunks write into `fn`'s output (XLA's buffer, inside a callback), so this
+    # must not return, even on Ctrl-C, while one still runs.
+    finish(host_pool().submit(fn, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]))
 
 
 def _rows_view(out: np.ndarray | None, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, np.ndarray]:
