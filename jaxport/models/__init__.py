@@ -10,6 +10,7 @@ from ._resnet import ResNet as ResNet
 from ._resnet import ResNetSpec as ResNetSpec
 from ._resnet import build as build
 from ._resnet import check_arch as check_arch
+from ._resnet import check_dilation as check_dilation
 from ._resnet import layer4_side as layer4_side
 from ._resnet import resnet18 as resnet18
 from ._resnet import resnet34 as resnet34

@@ -16,6 +16,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._args import closest, is_int
 from .._errors import ConfigError
@@ -317,13 +318,7 @@ class ResNet(nn.Module):
         block_cls = {"basic": BasicBlock, "bottleneck": Bottleneck}.get(self.block)
         if block_cls is None:
             raise ConfigError(f"`block` (={self.block!r}) must be 'basic' or 'bottleneck'")
-        # None only: torchvision refuses an empty tuple like any other length.
-        dilate = (False, False, False) if self.replace_stride_with_dilation is None else tuple(
-            self.replace_stride_with_dilation)
-        if len(dilate) != 3:
-            raise ConfigError(
-                f"`replace_stride_with_dilation` should be None or a 3-element tuple, got {dilate}"
-            )
+        dilate = check_dilation(self.replace_stride_with_dilation)
         if not self.is_initializing():
             self._check_variables(layers)
         try:
@@ -445,15 +440,51 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
     return make
 
 
-def layer4_side(image_size: int) -> int:
-    """Side of layer4's feature map for `image_size` px inputs (no dilation): the stem conv, the
-    max-pool and layer2..4 each halve it, rounding up (32 px -> 1x1, 33 px -> 2x2)."""
+def layer4_side(image_size: int, replace_stride_with_dilation: Sequence[bool] | None = None) -> int:
+    """Side of layer4's feature map for `image_size` px inputs: the stem conv, the max-pool and
+    layer2..4 each halve it, rounding up (32 px -> 1x1, 33 px -> 2x2), except the stages
+    `replace_stride_with_dilation` dilates, which keep the side they are given (32 px with
+    (False, True, True) -> 4x4, layer2's)."""
     if not is_int(image_size) or image_size < 1:
         raise ConfigError(f"`image_size` (={image_size!r}) must be an int >= 1 (pixels per side)")
     side = (image_size + 2 * 3 - 7) // 2 + 1
-    for _ in range(4):
-        side = (side + 2 - 3) // 2 + 1
+    side = (side + 2 - 3) // 2 + 1  # the max-pool
+    for dilated in check_dilation(replace_stride_with_dilation):
+        side = side if dilated else (side + 2 - 3) // 2 + 1
     return side
+
+
+def check_dilation(replace_stride_with_dilation: Sequence[bool] | None) -> tuple[bool, bool, bool]:
+    """`replace_stride_with_dilation` as three bools, for layer2, layer3 and layer4 (None: none
+    dilated): the one check behind `ResNet`, `layer4_side` and `torch_compat.cross_check`.
+
+    torchvision's meaning: True replaces that stage's stride 2 by a dilation of 2 (times the
+    dilation of the stages before it), so its map keeps the side of the stage before it. Each
+    item is a bool, or 0 or 1; torchvision takes any truthy value, so the string "False" would
+    dilate there. As in torchvision, only None means no dilation: an empty tuple is refused.
+
+    Raises:
+      ConfigError: anything else, naming the value received.
+
+    Example:
+      >>> check_dilation([0, 1, 1])
+      (False, True, True)
+    """
+    value = replace_stride_with_dilation
+    if value is None:
+        return (False, False, False)
+    items = tuple(value) if isinstance(value, (tuple, list, np.ndarray)) else None
+    if items is None or len(items) != 3:
+        got = f"{len(items)} element(s)" if items is not None else type(value).__name__
+    else:
+        odd = [v for v in items if not (isinstance(v, (bool, np.bool_)) or (is_int(v) and v in (0, 1)))]
+        if not odd:
+            return tuple(bool(v) for v in items)
+        got = f"the item {odd[0]!r}, not a bool"
+    raise ConfigError(f"`replace_stride_with_dilation` (={value!r}) should be None or a 3-element tuple, got {got}: "
+                      "three bools, for layer2, layer3 and layer4, each True to replace that stage's stride 2 by "
+                      "dilation (torchvision's meaning), e.g. (False, True, True) as torchvision's DeepLabV3 and "
+                      "FCN build their backbones")
 
 
 def build(arch: str, *, cls: type[ResNet] = ResNet, **kwargs) -> ResNet:
