@@ -47,6 +47,7 @@ class StageError:
     scale: float
     tol: float = np.inf
     noise: float = np.nan
+    shape: tuple[int, ...] = ()  # torch's output there, NHWC for the maps
 
     @property
     def ok(self) -> bool:
@@ -61,26 +62,37 @@ class CrossCheckReport:
     stages whose magnitudes differ by orders. In train mode the rows `running_mean`,
     `running_var` and `num_batches_tracked` compare every BatchNorm's updated state (worst
     layer), and each row's tolerance is `max(rtol, NOISE_FACTOR * torch's own float32 error)`.
+    `replace_stride_with_dilation` is what both models were built with; when a stage is
+    dilated, the table names them and shows each map's side (a dilated stage keeps the side of
+    the one before it).
     """
 
     arch: str
     mode: str
     rows: tuple[StageError, ...]
     rtol: float
+    replace_stride_with_dilation: tuple[bool, bool, bool] = (False, False, False)
 
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.rows)
 
     def table(self) -> str:
-        train = self.mode == "train"
-        head = f"{self.arch} {self.mode} mode: error relative to each stage's scale, tolerance {self.rtol:.0e}"
+        train, dilate = self.mode == "train", tuple(self.replace_stride_with_dilation)
+        head = f"{self.arch} {self.mode} mode"
+        if any(dilate):
+            dilated = ", ".join(f"layer{i + 2}" for i, d in enumerate(dilate) if d)
+            head += f" (replace_stride_with_dilation={dilate}: {dilated} dilated, keeping the side of the stage before)"
+        head += f": error relative to each stage's scale, tolerance {self.rtol:.0e}"
         if train:
             head += f" or {NOISE_FACTOR:g}x torch's own float32 error (torch f32 vs f64), if larger"
         cols = f"  {'stage':<20}{'max abs err':>13}{'scale':>12}{'max rel err':>13}"
         lines = [head, cols + (f"{'torch f32 err':>15}" if train else "") + f"{'tolerance':>11}  ok"]
         for r in self.rows:
-            row = f"  {r.stage:<20}{r.max_abs:>13.3e}{r.scale:>12.3e}{r.max_rel:>13.3e}"
+            stage = r.stage
+            if any(dilate) and len(r.shape) == 4:  # the sides are what dilation changes: shown
+                stage += f" {r.shape[1]}x{r.shape[2]}"
+            row = f"  {stage:<20}{r.max_abs:>13.3e}{r.scale:>12.3e}{r.max_rel:>13.3e}"
             row += f"{r.noise:>15.3e}" if train else ""
             lines.append(row + f"{r.tol:>11.1e}  {'yes' if r.ok else 'NO'}")
         return "\n".join(lines)
@@ -101,7 +113,7 @@ def _err(stage: str, a: np.ndarray, b: np.ndarray, rtol: float, b64: np.ndarray 
     if b64 is not None:
         noise = rel(float(np.max(np.abs(b - np.asarray(b64, np.float64)))) if b.size else 0.0)
         tol = max(rtol, NOISE_FACTOR * noise)
-    return StageError(stage, max_abs, rel(max_abs), scale, tol, noise)
+    return StageError(stage, max_abs, rel(max_abs), scale, tol, noise, b.shape)
 
 
 def _classes(entries: list[Entry]) -> int:
@@ -109,9 +121,10 @@ def _classes(entries: list[Entry]) -> int:
     return next((e.torch_shape[0] for e in entries if e.torch_key == "fc.weight"), 0)
 
 
-def _torchvision(arch: str, num_classes: int) -> torch.nn.Module:
+def _torchvision(arch: str, num_classes: int, dilate: tuple[bool, bool, bool]) -> torch.nn.Module:
     """torchvision's `arch`; with `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
-    model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000)
+    model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000,
+                                              replace_stride_with_dilation=list(dilate))
     if not num_classes:
         model.fc = torch.nn.Identity()
     return model
@@ -149,11 +162,13 @@ def cross_check(
     seed: int = 0,
     rtol: float = 1e-4,
     train_rtol: float = 1e-3,
+    replace_stride_with_dilation: Sequence[bool] | None = None,
 ) -> list[CrossCheckReport]:
     """Run torchvision and the Flax port on the same inputs; report per-stage errors.
 
     Both sides run in float32 (half-precision weights are upcast exactly on both sides, so the
-    check measures the port, not half-precision arithmetic) with full-precision matmuls.
+    check measures the port, not half-precision arithmetic) with full-precision matmuls, and
+    both are built with the same `replace_stride_with_dilation`.
 
     Args:
       state_dict: the torch weights (see `load_state_dict`).
@@ -171,6 +186,12 @@ def cross_check(
         with torch to ~1e-12 in float64 (tests/test_crosscheck.py). So torch also runs in
         float64 in train mode, and a stage passes within `max(train_rtol, NOISE_FACTOR *
         torch's own float32 error)`.
+      replace_stride_with_dilation: three bools for layer2..4, torchvision's meaning (True
+        replaces that stage's stride by dilation); None: no dilation. Both torchvision's model
+        and the Flax model are built with it. Dilation leaves the weights as they are, so
+        weights ported from a dilated model (a DeepLabV3 / FCN backbone: (False, True, True))
+        also pass undilated; check them with the dilation they will run with, so the check
+        covers that model (its layer3 and layer4 then keep layer2's side). CLI `--dilation`.
 
     Returns:
       One `CrossCheckReport` per mode; `report.ok` tells whether it is within `rtol`.
@@ -179,7 +200,20 @@ def cross_check(
       ConversionError: `state_dict` or `variables` does not fit `arch`, listing every misfit key.
       ConfigError: `modes` is empty or names something other than "eval" and "train"; or train
         mode at inputs so small that torch's own float32 error exceeds `MAX_TRAIN_NOISE` of a
-        stage's scale (e.g. 1 px at batch 2), where no comparison could fail a wrong port.
+        stage's scale (e.g. 1 px at batch 2), where no comparison could fail a wrong port; or
+        `replace_stride_with_dilation` is not None or 3 bools, or dilates an architecture of
+        BasicBlocks (resnet18, resnet34), which torchvision cannot dilate.
+
+    Example (a DeepLabV3 / FCN backbone runs dilated, so it is checked dilated; ~10 s, so not
+    run by the doctests: tests/test_crosscheck_dilation.py checks the same):
+      >>> import torch_compat
+      >>> dilated = (False, True, True)
+      >>> sd = torch_compat.reference_model("resnet50", num_classes=3, image_size=40, calibration_batches=1,
+      ...                                   replace_stride_with_dilation=dilated).state_dict()  # doctest: +SKIP
+      >>> (report,) = cross_check(sd, modes=("eval",), image_size=40,
+      ...                         replace_stride_with_dilation=dilated)  # doctest: +SKIP
+      >>> report.ok, [r.shape for r in report.rows if r.stage in ("layer2", "layer4")]  # doctest: +SKIP
+      (True, [(2, 5, 5, 512), (2, 5, 5, 2048)])
     """
     if isinstance(modes, str):
         raise ConfigError(f"`modes` (={modes!r}) must be a sequence of modes, e.g. ({modes!r},)")
@@ -198,7 +232,8 @@ def cross_check(
     for name, value in (("rtol", rtol), ("train_rtol", train_rtol)):
         if not (is_real(value) and math.isfinite(value) and value > 0):
             raise ConfigError(f"`{name}` (={value!r}) must be a finite number > 0")
-    side = models.layer4_side(image_size)
+    dilate = models.check_dilation(replace_stride_with_dilation)
+    side = models.layer4_side(image_size, dilate)
     if "train" in modes and batch_size * side * side < 2:
         # torch refuses train-mode BatchNorm over a single value per channel (its unbiased
         # variance would divide by zero); say so before running anything.
@@ -209,6 +244,11 @@ def cross_check(
     # Both sides are checked against `arch` first (shapes only): one ConversionError naming every
     # misfit key (and what the weights look like), not torchvision's load_state_dict traceback.
     num_classes = _classes(check_state_dict(state_dict, arch))
+    if any(dilate) and models.ARCHS[arch].block == "basic":
+        # torchvision raised NotImplementedError("Dilation > 1 not supported in BasicBlock").
+        raise ConfigError(f"`replace_stride_with_dilation` (={dilate}) dilates {arch}, whose BasicBlocks torchvision "
+                          "cannot dilate (only the Bottleneck architectures take it: resnet50, resnet101, resnet152, "
+                          "the ResNeXts and wide ResNets); leave it None (CLI --dilation none)")
     if variables is None:
         variables = torch_to_flax(state_dict, arch)
     else:
@@ -224,7 +264,7 @@ def cross_check(
     f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in state_dict.items()}
     variables = jax.tree.map(lambda a: np.asarray(a, np.float32) if np.issubdtype(np.asarray(a).dtype, np.floating)
                              or np.asarray(a).dtype.name == "bfloat16" else np.asarray(a), dict(variables))
-    flax_model = models.build(arch, num_classes=num_classes)
+    flax_model = models.build(arch, num_classes=num_classes, replace_stride_with_dilation=dilate)
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(batch_size, 3, image_size, image_size, generator=gen)
@@ -232,13 +272,13 @@ def cross_check(
 
     reports = []
     for mode in modes:
-        torch_model = _torchvision(arch, num_classes)
+        torch_model = _torchvision(arch, num_classes, dilate)
         torch_model.load_state_dict(f32, strict=True)
         torch_model.train(mode == "train")
         ref = _torch_stages(torch_model, x)
         ref64, model64 = {}, None
         if mode == "train":
-            model64 = _torchvision(arch, num_classes).double()
+            model64 = _torchvision(arch, num_classes, dilate).double()
             model64.load_state_dict(f32, strict=True)
             model64.train()
             ref64 = _torch_stages(model64, x.double())
@@ -265,7 +305,7 @@ def cross_check(
                     "layer4 amplifies rounding), so no tolerance could tell a wrong port from rounding; use larger "
                     "inputs, e.g. the defaults batch_size=2, image_size=64 (CLI --batch-size, --image-size), or "
                     "eval mode only (CLI --mode eval)")
-        reports.append(CrossCheckReport(arch, mode, tuple(rows), tol))
+        reports.append(CrossCheckReport(arch, mode, tuple(rows), tol, dilate))
     return reports
 
 

@@ -7,15 +7,17 @@ statistics calibrated by a few train-mode batches, so every tensor is distinguis
 """
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torchvision
 
-from jaxport.models import check_arch
+from jaxport.models import check_arch, check_dilation
 
 
 def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_size: int = 64,
-                    calibration_batches: int = 3, batch_size: int = 4, dtype: torch.dtype = torch.float32
-                    ) -> torch.nn.Module:
+                    calibration_batches: int = 3, batch_size: int = 4, dtype: torch.dtype = torch.float32,
+                    replace_stride_with_dilation: Sequence[bool] | None = None) -> torch.nn.Module:
     """A torchvision `arch` with seeded weights and calibrated BatchNorm, in eval mode.
 
     Args:
@@ -26,11 +28,15 @@ def reference_model(arch: str, *, num_classes: int = 1000, seed: int = 0, image_
       calibration_batches: train-mode forward passes that update the running statistics.
       batch_size: images per calibration batch.
       dtype: dtype of the returned model's parameters and buffers.
+      replace_stride_with_dilation: three bools for layer2..4, as torchvision's (None: none);
+        the weights are those of the undilated model with the same seed, the statistics are
+        calibrated through the dilated one.
     """
     check_arch(arch)
+    dilate = check_dilation(replace_stride_with_dilation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = getattr(torchvision.models, arch)(num_classes=num_classes)
+        model = getattr(torchvision.models, arch)(num_classes=num_classes, replace_stride_with_dilation=list(dilate))
     return calibrate(model, seed=seed, image_size=image_size, calibration_batches=calibration_batches,
                      batch_size=batch_size).to(dtype)
 
