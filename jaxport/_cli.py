@@ -49,17 +49,24 @@ def _human(n_bytes: float) -> str:
 
 
 def _load_checkpoint(path: str, args):
+    """The state_dict the loading flags select, and the `replace_stride_with_dilation` its
+    cross-check uses (`--dilation`; auto: what torchvision builds a segmentation backbone with)."""
     from torch_compat import backbone_state_dict, load_state_dict
-    from torch_compat._convert import dilation_note
+    from torch_compat._convert import dilation_note, segmentation_dilation
     from torch_compat._load import describe_keys
 
     # mmap: the conversion copies every tensor at once, so nothing is read twice and the peak
     # stays near one copy of the weights (see torch_compat.load_state_dict on when not to).
     state_dict = load_state_dict(path, trusted=args.trusted, ema=args.ema, mmap=True, prefix=args.prefix,
                                  check_crc=True)  # ~30 ms per 100 MB: nothing beside the CLI's start
-    note = dilation_note(state_dict)
+    note, detected = dilation_note(state_dict), segmentation_dilation(state_dict)  # before --backbone-only's copy
     if note:
         print(f"note: {note}")
+    auto = args.dilation in (None, "auto")
+    dilation = detected if auto else None if args.dilation == "none" else args.dilation
+    if auto and detected and getattr(args, "verify", True):  # `verify`, or `port --verify`
+        print(f"note: cross-checking them dilated, replace_stride_with_dilation={dilation} on both sides "
+              "(--dilation auto; --dilation none checks them undilated)")
     if args.backbone_only:
         kept = backbone_state_dict(state_dict)
         if not set(kept) & set(state_dict):  # renamed, not selected
@@ -70,7 +77,7 @@ def _load_checkpoint(path: str, args):
             print(f"backbone only: kept {len(kept)} tensors, dropped {len(dropped)}"
                   + (f" ({describe_keys(dropped)})" if dropped else ""))
         state_dict = kept
-    return state_dict
+    return state_dict, dilation
 
 
 def _loading_flags(args) -> str:
@@ -214,6 +221,10 @@ def _cmd_port(args) -> int:
 
     from ._io import save_variables
 
+    if args.dilation is not None and not args.verify:
+        raise ConfigError(f"`--dilation` (={_dilation_flag(args.dilation)}) changes only the --verify cross-check "
+                          "(dilation leaves the weights as they are, so the port is the same): add --verify, or leave "
+                          "it out and build the model with jaxport.models.<arch>(replace_stride_with_dilation=...)")
     with _steps(5 if args.verify else 4, "port") as step:
         if args.checkpoint is None:
             step("building the embedded default checkpoint")
@@ -236,7 +247,7 @@ def _cmd_port(args) -> int:
             _refuse_overwrite(out, args.force, " and is not an earlier port of a checkpoint (an earlier port is replaced)")
         t0 = time.perf_counter()
         step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
-        state_dict = _load_checkpoint(str(ckpt), args)
+        state_dict, dilation = _load_checkpoint(str(ckpt), args)
         step("converting")
         arch = None if args.arch == "auto" else args.arch
         detected = torch_compat.detect_arch(state_dict) if arch is None else arch
@@ -259,7 +270,8 @@ def _cmd_port(args) -> int:
             step("cross-checking against torchvision")
             # The port holds the cast weights: it is checked against torch running those.
             as_ported = torch_compat.cast_floating(state_dict, dtype)
-            ok = _print_reports(torch_compat.cross_check(as_ported, variables, arch=detected))
+            ok = _print_reports(torch_compat.cross_check(as_ported, variables, arch=detected,
+                                                         replace_stride_with_dilation=dilation))
     print("verify: " + ("PASS: the Flax port matches torchvision" if ok else "FAIL: beyond tolerance")
           if args.verify else f"next: jaxport verify {shell_word(ckpt)} {shell_word(out)}"
                               f"{_loading_flags(args)}")
@@ -271,7 +283,7 @@ def _cmd_verify(args) -> int:
 
     from ._io import load_variables, read_metadata
 
-    state_dict = _load_checkpoint(args.checkpoint, args)
+    state_dict, dilation = _load_checkpoint(args.checkpoint, args)
     variables, arch = None, None if args.arch == "auto" else args.arch
     differences = []
     if not args.variables:
@@ -298,11 +310,15 @@ def _cmd_verify(args) -> int:
             print("verify: FAIL: the variables are not the checkpoint's port (re-port it with `jaxport port`)")
             return EXIT_MISMATCH
         differences = port_differences(state_dict, variables, arch)
-    from .models import layer4_side
+    from .models import check_dilation, layer4_side
 
-    if layer4_side(args.image_size) < 2:
-        print(f"note: at --image-size {args.image_size} layer4's maps are 1x1, so the outer taps of its 3x3 "
-              "kernels never reach the output and the cross-check cannot see them; the default (64) can")
+    # A 3x3 conv dilated by d on an n x n map reaches its outer taps only where n > d (d = 1
+    # undilated); layer4 has the smallest maps and the largest dilation.
+    side, spread = layer4_side(args.image_size, dilation), 2 ** sum(check_dilation(dilation))
+    if side <= spread:
+        dilated = f" and its 3x3 kernels dilated by {spread}" if spread > 1 else ""
+        print(f"note: at --image-size {args.image_size} layer4's maps are {side}x{side}{dilated}, so the outer taps "
+              "of its 3x3 kernels never reach the output and the cross-check cannot see them; the default (64) can")
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
@@ -311,7 +327,8 @@ def _cmd_verify(args) -> int:
             for mode in modes:  # one at a time: eval's table is shown even if train mode is refused
                 reports += torch_compat.cross_check(state_dict, variables, arch=arch, modes=(mode,),
                                                     batch_size=args.batch_size, image_size=args.image_size,
-                                                    rtol=args.rtol, train_rtol=args.train_rtol)
+                                                    rtol=args.rtol, train_rtol=args.train_rtol,
+                                                    replace_stride_with_dilation=dilation)
         except ConfigError:  # e.g. train mode at inputs too small for any comparison to mean anything
             if reports:
                 _print_reports(reports)
@@ -451,6 +468,29 @@ def _positive(flag: str, kind: type, example):
     return parse
 
 
+_BOOLS = {"t": True, "true": True, "1": True, "f": False, "false": False, "0": False}
+
+
+def _dilation(text: str):
+    """The argparse type of --dilation: "auto", "none", or three booleans (layer2,layer3,layer4)."""
+    if text.strip().lower() in ("auto", "none"):
+        return text.strip().lower()
+    words = [w.strip().lower() for w in text.split(",")]
+    odd = next((w for w in words if w not in _BOOLS), None)
+    if len(words) != 3 or odd is not None:
+        got = f"{len(words)} value{'s' * (len(words) != 1)}" if len(words) != 3 else f"{odd!r}, not a boolean"
+        raise argparse.ArgumentTypeError(
+            f"`--dilation` (={shown(text)}): expected three booleans for layer2,layer3,layer4 (true/false, t/f or "
+            f"1/0: torchvision's replace_stride_with_dilation), auto or none; got {got}; e.g. --dilation F,T,T "
+            "as torchvision's DeepLabV3 and FCN build their ResNet")
+    return tuple(_BOOLS[w] for w in words)
+
+
+def _dilation_flag(value) -> str:
+    """A `_dilation` value as --dilation takes it: auto, none or F,T,T."""
+    return value if isinstance(value, str) else ",".join("T" if v else "F" for v in value)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import ARCHS
 
@@ -459,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"jaxport {__import__('jaxport').__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")  # Parser refuses a missing one
     archs = ["auto", *ARCHS]
+
+    def dilation(p, which):
+        p.add_argument("--dilation", type=_dilation, metavar="L2,L3,L4",
+                       help=f"replace_stride_with_dilation of both models in {which}: three booleans for "
+                            "layer2,layer3,layer4 (true/false, t/f or 1/0), e.g. F,T,T, or none; default auto: F,T,T "
+                            "for a torchvision segmentation model's backbone (DeepLabV3, FCN), which torchvision "
+                            "builds dilated, none otherwise")
 
     def loading(p):
         p.add_argument("--trusted", action="store_true",
@@ -481,6 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory, "
                                  "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
+    dilation(p, "--verify's cross-check (the port is the same either way)")
     p.add_argument("--dtype", choices=("keep", "float32", "float16", "bfloat16"), default="keep",
                    help="keep each tensor's dtype (default), or cast every floating tensor to this dtype, "
                         "rounding as torch's tensor.to(dtype) does")
@@ -507,6 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-rtol", type=_positive("--train-rtol", float, 1e-3), default=1e-3,
                    help="train-mode tolerance floor, raised to a multiple of torch's own float32 error where that "
                         "is larger (default: 1e-3)")
+    dilation(p, "the cross-check")
     loading(p)
     p.set_defaults(func=_cmd_verify)
 

@@ -752,14 +752,21 @@ def num_classes_of(state_dict: Mapping[str, Any]) -> int:
                           "(CLI --backbone-only) to port the backbone alone")
 
 
-def dilation_note(state_dict: Mapping[str, Any]) -> str | None:
-    """A note when `state_dict` is the backbone of a torchvision segmentation model, or None.
+#: What torchvision's segmentation models (DeepLabV3, FCN) build their ResNet backbone with.
+SEGMENTATION_DILATION = (False, True, True)
+
+
+def segmentation_dilation(state_dict: Mapping[str, Any]) -> tuple[bool, bool, bool] | None:
+    """`SEGMENTATION_DILATION` when `state_dict` is the backbone of a torchvision segmentation
+    model, else None: the `replace_stride_with_dilation` to run (and cross-check) it with.
 
     `load_state_dict(path, prefix="backbone")` of a DeepLabV3 or FCN checkpoint (`backbone.*`
     beside `classifier.*` and `aux_classifier.*`) selects a ResNet whose tensors are exactly
     resnet50's or resnet101's, so it ports as that; but torchvision builds those backbones with
     `replace_stride_with_dilation=[False, True, True]`, which leaves no trace in the weights
-    (see `detect_arch`), and a model built without it computes other features.
+    (see `detect_arch`), and a model built without it computes other features. The selection
+    says what it came from, so this needs the state_dict `load_state_dict` returned, before
+    `backbone_state_dict` or any copy.
     """
     # The selection's own prefix ends in `backbone.` (a reference script's `model.backbone.` too),
     # and the `classifier` beside it is a conv head (DeepLabHead, FCNHead: 4-D weights), not the
@@ -768,12 +775,21 @@ def dilation_note(state_dict: Mapping[str, Any]) -> str | None:
     if (not (prefix == "backbone." or prefix.endswith(".backbone.")) or "layer4.0.conv1.weight" not in state_dict
             or getattr(state_dict, "beside", {}).get("classifier", 0) != 4):
         return None
-    arch = _looks_like(state_dict)
-    if arch not in ("resnet50", "resnet101"):  # torchvision's segmentation backbones; BasicBlock refuses dilation
+    # torchvision's segmentation backbones; BasicBlock refuses dilation
+    return SEGMENTATION_DILATION if _looks_like(state_dict) in ("resnet50", "resnet101") else None
+
+
+def dilation_note(state_dict: Mapping[str, Any]) -> str | None:
+    """A note when `state_dict` is the backbone of a torchvision segmentation model (see
+    `segmentation_dilation`), or None: the model to run it with, and how to cross-check that model."""
+    if segmentation_dilation(state_dict) is None:
         return None
+    arch = _looks_like(state_dict)
     return (f"the weights are ported exactly, but they are a torchvision segmentation model's backbone "
             f"(classifier.* beside backbone.*: DeepLabV3 / FCN), which torchvision builds dilated: run them with "
-            f"jaxport.models.{arch}(num_classes=0, replace_stride_with_dilation=(False, True, True))")
+            f"jaxport.models.{arch}(num_classes=0, replace_stride_with_dilation=(False, True, True)), and "
+            "cross-check that model: cross_check(..., replace_stride_with_dilation=(False, True, True)) (CLI "
+            "--dilation F,T,T, which verify and port --verify use by default for such a checkpoint)")
 
 
 def backbone_state_dict(state_dict: Mapping[str, Any]) -> dict[str, Any]:
