@@ -144,6 +144,8 @@ def detect_arch(state_dict: Mapping[str, Any]) -> str:
     the same. Build the Flax model with the options the torch model was built with
     (`models.resnet50(replace_stride_with_dilation=(False, True, True))`); without them its
     logits differ, exactly as those of torchvision's `resnet50()` loading the same weights do.
+    Cross-check the model so built with the same option: `cross_check(...,
+    replace_stride_with_dilation=(False, True, True))`.
 
     Raises:
       ConversionError: the keys are not a ResNet's, or the ResNet is not one of torchvision's
