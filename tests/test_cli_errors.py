@@ -80,6 +80,15 @@ def test_an_unknown_flag_or_argument_names_the_command_and_the_fix(capsys, argv,
     (["verify", "x.pth", "--rtol", "nan"], "`--rtol` (=nan): expected a finite number > 0, e.g. --rtol 0.0001"),
     (["verify", "x.pth", "--train-rtol", "-1"], "`--train-rtol` (=-1): expected a finite number > 0, e.g. "
                                                 "--train-rtol 0.001"),
+    (["verify", "x.pth", "--dilation", "F,T"], "`--dilation` (='F,T'): expected three booleans for layer2,layer3,"
+                                               "layer4 (true/false, t/f or 1/0: torchvision's "
+                                               "replace_stride_with_dilation), auto or none; got 2 values; e.g. "
+                                               "--dilation F,T,T as torchvision's DeepLabV3 and FCN build their ResNet"),
+    (["port", "--verify", "--dilation", "yes,no,no"], "`--dilation` (='yes,no,no'): expected three booleans for "
+                                                      "layer2,layer3,layer4 (true/false, t/f or 1/0: torchvision's "
+                                                      "replace_stride_with_dilation), auto or none; got 'yes', not a "
+                                                      "boolean; e.g. --dilation F,T,T as torchvision's DeepLabV3 and "
+                                                      "FCN build their ResNet"),
     (["export", "v", "--out", "x.pt", "--force=yes"], "`--force` (='yes') takes no value: pass --force alone to turn "
                                                       "it on, or leave it out"),
     # argparse's own words stay, on one line, pointing at the command's help.
