@@ -776,6 +776,8 @@ def test_the_last_line_says_how_the_run_ended():
     assert summary({**row, "step": 25, "state": state, "steps_run": 3}, "w", 2) == (
         "stopped at step 25 (--max-steps) after epoch 1 of 2: val accuracy 0.5000, checkpoints in w")
     assert summary({"state": state, "steps_run": 0}, "w", 2) == "nothing to train: already at step 25, checkpoints in w"
+    # a resumed epoch evaluated (its evaluation had failed) at the run's end: trained before, not "nothing to train"
+    assert summary({**row, "step": 25, "state": state, "steps_run": 0}, "w", 1) == "val accuracy 0.5000, checkpoints in w"
 
 
 @pytest.mark.parametrize("error, text, code", [

@@ -339,3 +339,93 @@ def test_an_image_gone_mid_run_checkpoints_the_last_step_and_says_how_to_continu
                         str(e.value)), str(e.value)
     shutil.move(tmp_path / "a-aside", copy / "a")
     _resume_and_compare(tmp_path / "w", copy, reference, monkeypatch)
+
+
+def _move_after_steps(monkeypatch, folder, aside, n):
+    """Move `folder` to `aside` once the training step has run `n` times."""
+    make = _loop.make_train_step
+    calls = []
+
+    def moving(*args, **kwargs):
+        step = make(*args, **kwargs)
+
+        def counted(*a):
+            out = step(*a)
+            calls.append(1)
+            if len(calls) == n:
+                shutil.move(folder, aside)
+            return out
+        return counted
+
+    monkeypatch.setattr(_loop, "make_train_step", moving)
+
+
+@pytest.mark.parametrize("epoch", [2, 3], ids=["mid-run", "last-epoch"])
+def test_an_image_gone_during_an_evaluation_checkpoints_the_epoch_and_resume_evaluates_it(tmp_path, data, reference,
+                                                                                          monkeypatch, epoch):
+    """Class folder a/ moved away after epoch `epoch`'s last step: its held-out images failed
+    that epoch's evaluation, which lost the steps since the last checkpoint (6 of 8, 9 of 12)
+    and said "restore it ..., or remove it, then rerun" (the workdir then refused a run without
+    --resume, and --resume refuses a changed --data). Now the epoch's training is checkpointed
+    with no row for it, --resume evaluates it first (and fails again, saving nothing more, while
+    the image is still gone), and the rows and weights end as the uninterrupted run's."""
+    copy, aside, work = tmp_path / "data", tmp_path / "a-aside", tmp_path / "w"
+    shutil.copytree(data, copy)
+    end = 4 * epoch
+    with monkeypatch.context() as m:
+        _move_after_steps(m, copy / "a", aside, end)
+        with pytest.raises(ConfigError) as e:
+            train(_cfg(work, copy))
+    assert _steps(work)[-1] == end  # the epoch's training, not the last periodic checkpoint
+    assert re.fullmatch(rf"`--data`: image \S+, held out for evaluation, cannot be read \(FileNotFoundError: .*\), "
+                        rf"though it could when the run started; the run is checkpointed at step {end}, the end of "
+                        rf"epoch {epoch}'s training \(its evaluation did not finish\): restore it \(or its "
+                        rf"permissions\) and rerun with --resume to evaluate epoch {epoch} and continue from there; or "
+                        r"remove it and train a new --workdir with --init \S+w to keep the weights \(a removed image "
+                        r"changes --data, which --resume refuses\)", str(e.value)), str(e.value)
+    assert _rows(work) == reference[1][:epoch - 1]  # no row for the epoch, nor half of one
+    assert not (work / "variables.safetensors").exists()
+
+    shutil.move(aside, copy / "a")
+    make_eval = _loop.make_eval_step
+    said = []
+    with monkeypatch.context() as m:  # gone again after the data is scanned: the resumed evaluation fails
+        m.setattr(_loop, "make_eval_step", lambda *a, **k: (shutil.move(copy / "a", aside), make_eval(*a, **k))[1])
+        with pytest.raises(ConfigError) as again:
+            train(_cfg(work, copy, resume=True), log=said.append)
+    assert str(again.value) == str(e.value)
+    assert "--resume: epoch %d was trained, but its evaluation did not finish: evaluating it first" % epoch in said
+    assert _steps(work)[-1] == end and _rows(work) == reference[1][:epoch - 1]
+
+    shutil.move(aside, copy / "a")
+    said = _resume_and_compare(work, copy, reference, monkeypatch)
+    assert f"epoch {epoch} was trained, but its evaluation did not finish: evaluating it first" in " ".join(said)
+    assert not any("holds no row" in m for m in said), said
+    if epoch == 3:  # the run's last checkpoint is the unevaluated one: resumed again, the same row is rewritten
+        _resume_and_compare(work, copy, reference, monkeypatch)
+
+
+def test_a_loader_failing_after_a_stop_request_during_an_evaluation_keeps_the_epoch(tmp_path, data, reference,
+                                                                                  monkeypatch):
+    """Ctrl-C reaches the DataLoader's workers too; one failing a fetch of epoch 2's evaluation
+    after the stop request (simulated: the request, then the RuntimeError torch raises for a
+    worker gone) lost the steps since the last checkpoint behind a traceback. Now the epoch's
+    training is checkpointed, the run stops as interrupted, and --resume evaluates the epoch."""
+    import signal
+
+    evaluate = _loop._evaluate
+    calls = []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the handler train() installed
+            raise RuntimeError("DataLoader worker (pid(s) 12345) exited unexpectedly")
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(_loop, "_evaluate", failing_second)
+    with pytest.raises(_loop.Interrupted) as e:
+        train(_cfg(tmp_path, data))
+    assert e.value.step == _steps(tmp_path)[-1] == EPOCH_2_END
+    assert [r["epoch"] for r in _rows(tmp_path)] == [0]
+    _resume_and_compare(tmp_path, data, reference, monkeypatch)

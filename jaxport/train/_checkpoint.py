@@ -2,8 +2,10 @@
 
 A checkpoint is `WORKDIR/checkpoints/<step>/` with two items: `state` (the whole TrainState:
 step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, classes, seed,
-batch size, image size, epoch accumulators). Orbax writes into a temporary directory and renames it when complete, so a
-run killed mid-save leaves no half-written step; the next run removes its temporary. A run killed
+batch size, image size, epoch accumulators; `unevaluated`: the training half of the metrics row
+of an epoch whose evaluation failed, which --resume evaluates first). Orbax writes into a
+temporary directory and renames it when complete, so a run killed mid-save leaves no
+half-written step; the next run removes its temporary. A run killed
 while the rotation deletes the oldest step may leave it half-deleted: resuming reads the newest
 step, and the next save deletes that one. A newest step that cannot be read (a damaged disk, not a
 kill) stops `--resume` with an error naming the newest step that reads, never a silent fallback.

@@ -190,7 +190,7 @@ def _stdout_to_stderr():
 def summary(result: dict, workdir: str, epochs: int) -> str:
     """The last line of a run: what `train` returned, said truthfully."""
     step = int(result["state"].step)
-    if not result["steps_run"]:
+    if not result["steps_run"] and "val_acc" not in result:  # (a resumed epoch evaluated, trained before: below)
         return f"nothing to train: already at step {step}, checkpoints in {workdir}"
     if result.get("step") == step and result["epoch"] + 1 < epochs:  # --max-steps at an epoch's end
         return (f"stopped at step {step} (--max-steps) after epoch {result['epoch'] + 1} of {epochs}: val accuracy "

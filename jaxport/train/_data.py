@@ -379,17 +379,31 @@ class ImageError(ConfigError):
         super().__init__(message)
         self.bad = bad
 
-    def after(self, step: int, workdir: str) -> ImageError:
+    def after(self, step: int, workdir: str, evaluating: int | None = None) -> ImageError:
         """This error for a run checkpointed at `step`: "then rerun" started over, and removing
-        the image changes `--data`, which --resume refuses, so that advice never continued."""
-        bad, w = self.bad, shell_word(workdir)
-        what = (f"cannot be read ({bad.reason}), though it could when the run started" if bad.unreadable else
-                f"cannot be decoded past its header ({bad.reason})")
-        fix = ("restore it (or its permissions) and rerun with --resume to continue from there" if bad.unreadable else
-               "re-encode it (open and save it again) and rerun with --resume to continue from there")
-        return ImageError(f"`--data`: image {bad.path} {what}; the run is checkpointed at step {step}: {fix}; or "
-                          f"remove it and train a new --workdir with --init {w} to keep the weights (a removed image "
-                          "changes --data, which --resume refuses)", bad)
+        the image changes `--data`, which --resume refuses, so that advice never continued.
+        `evaluating`: the epoch (from 0) whose evaluation failed; `step` ends its training, and
+        --resume evaluates it before training on."""
+        if evaluating is None:
+            saved, then = f"the run is checkpointed at step {step}", "continue from there"
+        else:
+            saved = (f"the run is checkpointed at step {step}, the end of epoch {evaluating + 1}'s training (its "
+                     "evaluation did not finish)")
+            then = f"evaluate epoch {evaluating + 1} and continue from there"
+        return self._continue(saved, then, workdir, "the weights", evaluating is not None)
+
+    def _what(self, held_out: bool) -> str:
+        bad = self.bad
+        held = ", held out for evaluation," if held_out else ""
+        return (f"`--data`: image {bad.path}{held} " +
+                (f"cannot be read ({bad.reason}), though it could when the run started" if bad.unreadable else
+                 f"cannot be decoded past its header ({bad.reason})"))
+
+    def _continue(self, saved: str, then: str, workdir: str, weights: str, held_out: bool) -> ImageError:
+        fix = ("restore it (or its permissions)" if self.bad.unreadable else "re-encode it (open and save it again)")
+        return ImageError(f"{self._what(held_out)}; {saved}: {fix} and rerun with --resume to {then}; or remove it "
+                          f"and train a new --workdir with --init {shell_word(workdir)} to keep {weights} (a removed "
+                          "image changes --data, which --resume refuses)", self.bad)
 
 
 class _Folder:

@@ -585,7 +585,8 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
 
     Returns the last evaluated epoch's metrics row (as in metrics.jsonl; none when no epoch
     ended in this call) plus `state` (the final `TrainState`) and `steps_run` (steps this call
-    trained: 0 when resuming a run that is already at its last step).
+    trained: 0 when resuming a run that is already at its last step, though it may evaluate its
+    last epoch, trained before).
 
     Writes `WORKDIR/checkpoints/<step>` (orbax), `WORKDIR/metrics.jsonl` (one JSON object per
     epoch) and `WORKDIR/training_curves.png`. With `resume`, continues from the latest
@@ -593,10 +594,15 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     applies when there is no checkpoint yet). An epoch's row is written before its checkpoint,
     and a resumed run drops rows past its checkpoint and writes them again: however a run was
     killed and resumed, metrics.jsonl holds one row per finished epoch, as an uninterrupted run's.
+    An epoch whose evaluation failed (an image, or a stop request) is checkpointed without its
+    row; `resume` evaluates it and writes its row before training on.
 
     Raises:
       ConfigError: invalid settings (a batch that does not divide the devices, a workdir that
-        already holds a run without `resume`, bad data directories, ...).
+        already holds a run without `resume`, bad data directories, ...). `_data.ImageError`,
+        one of them, for an image of `--data` that stopped loading mid-run: a single process
+        checkpoints the last finished step (or epoch's training) first, and the message says how
+        to continue.
       CheckpointError: a checkpoint to resume from or an `init` file cannot be read.
       OutOfMemoryError: the step does not fit in device memory (names a batch that fits).
       Interrupted: SIGINT (Ctrl-C) or SIGTERM arrived (single process); the last finished step
@@ -757,6 +763,48 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     # Dispatch is asynchronous: XLA's RESOURCE_EXHAUSTED surfaces where a result is waited for
     # (device_get, evaluation, checkpointing), so the whole loop is covered, not one call.
     stops = _StopRequests(n_proc, say)
+    unevaluated = None  # a resumed checkpoint's epoch whose evaluation failed: its row's training half
+
+    def end_epoch(row: dict) -> dict:
+        """Evaluate the epoch whose training ended at `gstep` and write its metrics `row` (given
+        its training half), then its checkpoint; returns the whole row.
+
+        An evaluation that fails on an image (or after a stop request) loses no training: one
+        process checkpoints `gstep` first, its metadata holding `row` as "unevaluated", from which
+        --resume evaluates the epoch before training on. Such a checkpoint stays as it is when
+        that evaluation succeeds (orbax writes a step once): a later --resume from it evaluates
+        the epoch again, and writes the same row in place of the one there.
+        """
+        try:
+            row = row | _evaluate(evaluate, state.variables, data.val, batch, mesh)
+        except Exception as e:  # noqa: BLE001 - only an image error, or a failure after a stop request, is handled
+            image = isinstance(e, _data.ImageError)
+            # (With more processes the others wait in the evaluation's collectives: a checkpoint needs them all.)
+            if n_proc > 1 or not (image or (stops.signum is not None and not isinstance(e, JaxportError))):
+                raise
+            if mngr.latest_step() != gstep:  # (a resumed evaluation's checkpoint is this one already)
+                _save_finite(mngr, gstep, state, meta | {"epoch_sums": [0.0, 0.0, 0.0], "unevaluated": row}, cfg)
+            if image:
+                raise e.after(gstep, cfg.workdir, evaluating=row["epoch"]) from None
+            # The same signal reached the DataLoader's workers, which then failed a fetch.
+            raise Interrupted(stops.signum, gstep, cfg.workdir) from None
+        meta["epoch_sums"] = [0.0, 0.0, 0.0]
+        # The row before the checkpoint: a run killed between the two resumes before this
+        # epoch and writes its row again (the stale one is dropped). The other order resumed
+        # after the epoch and never wrote its row. Weights that are no longer finite get
+        # neither (DivergedError).
+        _check_weights_finite(state, gstep, mngr, cfg)
+        if lead:
+            _append_metrics(metrics_path, row, mngr)
+        if mngr.latest_step() != gstep:  # (see above: a resumed evaluation's checkpoint stays)
+            _checkpoint.save(mngr, gstep, state, meta)
+        if lead:
+            say(f"epoch {row['epoch'] + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+                f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+        if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step or evaluation
+            raise Interrupted(stops.signum, gstep, cfg.workdir)
+        return row
+
     try:
         if cfg.resume and mngr.all_steps():
             saved = _checkpoint.latest_meta(mngr)
@@ -764,17 +812,22 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             _check_optimizer_state(saved.get("settings"), meta["settings"], cfg.workdir)
             state, saved = _checkpoint.restore(mngr, state)
             meta["epoch_sums"] = saved["epoch_sums"]
+            unevaluated = saved.get("unevaluated")
             unused = (f"; --init {cfg.init} is not used (the checkpoint in {_checkpoint.checkpoint_dir(cfg.workdir)} "
                       "holds every weight)" if cfg.init else "")
             changes = _changes(saved.get("settings"), meta["settings"], batch,
                                trains=int(state.step) < _last_step(cfg, steps_per_epoch))
             say(f"resuming from step {int(state.step)}{changes}{unused}")
+            if unevaluated is not None:
+                say(f"--resume: epoch {unevaluated['epoch'] + 1} was trained, but its evaluation did not finish: "
+                    "evaluating it first")
         elif cfg.resume:
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)
         # A metrics.jsonl deleted since the checkpoint is missing every row: said, like a truncated one.
-        # (Before the first epoch's end there is no row to miss, and no file to write.)
-        done = start // steps_per_epoch
+        # (Before the first epoch's end there is no row to miss, and no file to write.) An
+        # unevaluated epoch's row is written again after its evaluation.
+        done = start // steps_per_epoch - (unevaluated is not None)
         if lead and (os.path.exists(metrics_path) or done):
             # Rows past the checkpoint (a run killed between an epoch's row and its checkpoint)
             # are dropped: this run trains those epochs again and writes their rows once more.
@@ -802,6 +855,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         # than the next epochs' for the same steps. `seconds` stays the epoch's wall time.
         compiled = False
         with stops:
+            if unevaluated is not None:
+                result = end_epoch(unevaluated)
             while gstep < last_step:
                 epoch, offset = divmod(gstep, steps_per_epoch)
                 stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
@@ -887,22 +942,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                        "images_per_s": ((seen - unrated) / (elapsed - (t_rate - t0)) if seen > unrated else
                                         seen / elapsed if seen else None),
                        "seconds": elapsed}
-                row.update(_evaluate(evaluate, state.variables, data.val, batch, mesh))
-                meta["epoch_sums"] = [0.0, 0.0, 0.0]
-                # The row before the checkpoint: a run killed between the two resumes before this
-                # epoch and writes its row again (the stale one is dropped). The other order resumed
-                # after the epoch and never wrote its row. Weights that are no longer finite get
-                # neither (DivergedError).
-                _check_weights_finite(state, gstep, mngr, cfg)
-                if lead:
-                    _append_metrics(metrics_path, row, mngr)
-                _checkpoint.save(mngr, gstep, state, meta)
-                if lead:
-                    say(f"epoch {epoch + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-                        f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
-                result = row
-                if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step
-                    raise Interrupted(stops.signum, gstep, cfg.workdir)
+                result = end_epoch(row)
     except (DivergedError, Interrupted) as e:  # the checkpoints on disk are good: stop
         if bar is not None:
             bar.close()
