@@ -217,9 +217,42 @@ def test_one_process_failing_mid_run_stops_every_process_with_its_error(tmp_path
                     path.write_bytes(data[:len(data) // 2] + b"\xff" * (len(data) - len(data) // 2))
     t0 = time.time()
     results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d)] for d in ("good", "bad")])
-    _clean_stop(results, r"image \S+\.jpg cannot be decoded past its header")
+    _clean_stop(results, r"image \S+\.jpg cannot be decoded past its header \(.*\); no checkpoint was written yet: "
+                         r"remove it, or re-encode it \(open and save it again\), then rerun")
     assert re.search(r"^jaxport: error: process 1 stopped \(`--data`: image \S+bad\S+\.jpg cannot be decoded", results[0][1], re.M)
     assert time.time() - t0 < 120  # jax's own timeouts are 100 s (heartbeat) and 300 s (shutdown)
+
+
+@pytest.mark.slow
+def test_one_process_failing_an_evaluation_names_the_checkpoint_that_continues(tmp_path):
+    """Process 1's held-out images do not decode past their headers (as above; its training
+    images do): epoch 1's evaluation fails there at step 2, where the others wait in the
+    evaluation's collectives and nothing can be checkpointed. The message said "remove it, or
+    re-encode it, then rerun" (a rerun of the workdir is refused, and --resume refuses a changed
+    --data); it now names the latest checkpoint, step 1, that --resume continues from."""
+    from PIL import Image
+
+    for root in ("good", "bad"):
+        for split, n in (("train", 16), ("val", 2)):
+            for c in ("a", "b"):
+                os.makedirs(tmp_path / root / split / c)
+                for i in range(n):
+                    path = tmp_path / root / split / c / f"{i}.jpg"
+                    img = (np.random.default_rng(i).random((64, 64, 3)) * 255).astype(np.uint8)
+                    Image.fromarray(img).save(path, quality=95)
+                    if (root, split) == ("bad", "val"):
+                        data = path.read_bytes()
+                        path.write_bytes(data[:len(data) // 2] + b"\xff" * (len(data) - len(data) // 2))
+    results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d), "--max-steps", "2",
+                                   "--checkpoint-every", "1"] for d in ("good", "bad")])
+    _clean_stop(results, r"image \S+bad/val/\S+\.jpg, held out for evaluation, cannot be decoded past its header "
+                         r"\(.*\); the other processes of this run wait for this one in a collective, so it could not "
+                         r"be checkpointed here; its latest checkpoint is step 1: re-encode it \(open and save it "
+                         r"again\) and rerun with --resume to continue from there \(the steps after it are trained "
+                         r"again\); or remove it and train a new --workdir with --init w to keep that checkpoint's "
+                         r"weights \(a removed image changes --data, which --resume refuses\)")
+    assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["1"]
+    assert not (tmp_path / "w" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow

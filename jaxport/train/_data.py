@@ -373,7 +373,8 @@ class _Undecodable:
 
 class ImageError(ConfigError):
     """An image of `--data` that failed to load after the scan (`_Undecodable`). A training run
-    checkpoints the last step it finished, then tells what continues from there (`after`)."""
+    checkpoints the last step it finished, then tells what continues from there (`after`); a run
+    of several processes cannot, and tells what continues from its latest checkpoint (`unsaved`)."""
 
     def __init__(self, message: str, bad: _Undecodable):
         super().__init__(message)
@@ -391,6 +392,20 @@ class ImageError(ConfigError):
                      "evaluation did not finish)")
             then = f"evaluate epoch {evaluating + 1} and continue from there"
         return self._continue(saved, then, workdir, "the weights", evaluating is not None)
+
+    def unsaved(self, latest: int | None, workdir: str, held_out: bool = False) -> ImageError:
+        """This error for a run of several processes, which cannot checkpoint where it failed: the
+        other processes wait for this one in the step's (or the evaluation's) collectives, and a
+        checkpoint needs them all. It continues from `latest`, the run's latest checkpoint (None:
+        there is none, and the run starts over). `held_out`: the image failed an evaluation."""
+        if latest is None:
+            fix = ("restore it (or its permissions), or remove it" if self.bad.unreadable else
+                   "remove it, or re-encode it (open and save it again)")
+            return ImageError(f"{self._what(held_out)}; no checkpoint was written yet: {fix}, then rerun", self.bad)
+        saved = ("the other processes of this run wait for this one in a collective, so it could not be "
+                 f"checkpointed here; its latest checkpoint is step {latest}")
+        return self._continue(saved, "continue from there (the steps after it are trained again)", workdir,
+                              "that checkpoint's weights", held_out)
 
     def _what(self, held_out: bool) -> str:
         bad = self.bad

@@ -779,7 +779,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             row = row | _evaluate(evaluate, state.variables, data.val, batch, mesh)
         except Exception as e:  # noqa: BLE001 - only an image error, or a failure after a stop request, is handled
             image = isinstance(e, _data.ImageError)
-            # (With more processes the others wait in the evaluation's collectives: a checkpoint needs them all.)
+            if image and n_proc > 1:  # the others wait in the evaluation's collectives: a checkpoint needs them all
+                raise e.unsaved(mngr.latest_step(), cfg.workdir, held_out=True) from None
             if n_proc > 1 or not (image or (stops.signum is not None and not isinstance(e, JaxportError))):
                 raise
             if mngr.latest_step() != gstep:  # (a resumed evaluation's checkpoint is this one already)
@@ -918,6 +919,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                             _save_finite(mngr, gstep, state, meta, cfg)
                         if mngr.latest_step() is not None:
                             raise e.after(mngr.latest_step(), cfg.workdir) from None
+                    if isinstance(e, _data.ImageError) and n_proc > 1:
+                        raise e.unsaved(mngr.latest_step(), cfg.workdir) from None
                     if stops.signum is None or isinstance(e, JaxportError):
                         raise
                     # The same signal reached the DataLoader's workers, which then fail the next fetch:
