@@ -19,7 +19,7 @@ import pytest
 
 from jaxport._errors import CheckpointError, ConfigError, DivergedError
 from jaxport.train import TrainConfig, load_workdir, train
-from jaxport.train import _checkpoint, _loop
+from jaxport.train import _checkpoint, _data, _loop
 from tests.helpers import write_images
 
 TIMINGS = ("seconds", "images_per_s")  # the only fields of a row that may differ between runs
@@ -342,7 +342,8 @@ def test_an_image_gone_mid_run_checkpoints_the_last_step_and_says_how_to_continu
 
 
 def _move_after_steps(monkeypatch, folder, aside, n):
-    """Move `folder` to `aside` once the training step has run `n` times."""
+    """Move `folder` to `aside` once the training step has run `n` times; returns the list that
+    counts the step's runs."""
     make = _loop.make_train_step
     calls = []
 
@@ -358,6 +359,7 @@ def _move_after_steps(monkeypatch, folder, aside, n):
         return counted
 
     monkeypatch.setattr(_loop, "make_train_step", moving)
+    return calls
 
 
 @pytest.mark.parametrize("epoch", [2, 3], ids=["mid-run", "last-epoch"])
@@ -429,3 +431,37 @@ def test_a_loader_failing_after_a_stop_request_during_an_evaluation_keeps_the_ep
     assert e.value.step == _steps(tmp_path)[-1] == EPOCH_2_END
     assert [r["epoch"] for r in _rows(tmp_path)] == [0]
     _resume_and_compare(tmp_path, data, reference, monkeypatch)
+
+
+def test_an_image_gone_while_a_stop_request_arrives_still_checkpoints_the_last_step(tmp_path, data, reference,
+                                                                                   monkeypatch):
+    """Class folder a/ moved away after step 5, and Ctrl-C during the fetch that then fails: the
+    image error came with a stop request pending, and that case skipped the checkpoint (the steps
+    since epoch 1's end were lost) and said "restore it ..., or remove it, then rerun", which
+    does not continue the run."""
+    import signal
+
+    copy, aside, work = tmp_path / "data", tmp_path / "a-aside", tmp_path / "w"
+    shutil.copytree(data, copy)
+    getitem = _data._Folder.__getitem__
+    requested = []
+
+    def stop_requested_while_loading(self, key):
+        item = getitem(self, key)
+        if isinstance(item[0], _data._Undecodable) and not requested:
+            requested.append(1)
+            signal.getsignal(signal.SIGINT)(signal.SIGINT, None)  # the handler train() installed
+        return item
+
+    with monkeypatch.context() as m:
+        calls = _move_after_steps(m, copy / "a", aside, 5)
+        m.setattr(_data._Folder, "__getitem__", stop_requested_while_loading)
+        with pytest.raises(ConfigError) as e:
+            train(_cfg(work, copy, checkpoint_every=100))  # only the epochs' ends (4, 8)
+    saved = _steps(work)[-1]
+    assert saved == len(calls) > 4, (saved, len(calls))  # the last step run, not epoch 1's end
+    assert re.search(rf"cannot be read \(FileNotFoundError: .*\), though it could when the run started; the run "
+                     rf"is checkpointed at step {saved}: restore it \(or its permissions\) and rerun with --resume",
+                     str(e.value)), str(e.value)
+    shutil.move(aside, copy / "a")
+    _resume_and_compare(work, copy, reference, monkeypatch)

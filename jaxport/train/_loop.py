@@ -906,12 +906,13 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                         if stopping:
                             break
                 except Exception as e:  # noqa: BLE001 - only a loader failing after a stop request is absorbed
-                    if isinstance(e, _data.ImageError) and stops.signum is None and n_proc == 1:
+                    if isinstance(e, _data.ImageError) and n_proc == 1:
                         # An image gone or undecodable since the scan: the steps since the last
                         # checkpoint were lost, up to --checkpoint-every of them. The state is the
                         # last finished step's (the loader failed fetching the next batch). (With
                         # more processes the others wait in the next step's collectives, and a
-                        # checkpoint needs them all.)
+                        # checkpoint needs them all.) A stop request that came during that fetch
+                        # is answered by the same checkpoint; the image needs restoring either way.
                         if pending:
                             flush()
                         if gstep and mngr.latest_step() != gstep:
