@@ -520,6 +520,25 @@ def _worker_init_fn():
     return functools.partial(_init_worker, showwarning=warnings.showwarning)
 
 
+def refuse_in_worker_start(call: str) -> None:
+    """Raises when `call` runs while a spawned process (a DataLoader worker) starts.
+
+    Workers are spawned (jax's threads make fork unsafe), so each runs the script that started
+    the loader again, as Python's `multiprocessing` does, before it serves any batch. A script
+    that calls `train` at its top level, with no `if __name__ == "__main__":` guard, then trained
+    again in every worker: that failed on the workdir's lock, the parent reported only that "a
+    DataLoader worker exited unexpectedly", and nothing named the missing guard. (Python's own
+    check, `multiprocessing.spawn._check_not_importing_main`, reads the same flag.)
+    """
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise ConfigError(f"{call} ran while a data-loading worker process started: loading --data's images "
+                          "spawns worker processes, and each runs the calling script again (as Python's "
+                          "multiprocessing does); put the script's work under `if __name__ == \"__main__\":`, "
+                          "or load in the main process with workers=0")
+
+
 def _torch_split(samples, transform, seed, workers) -> Split:
     import torch.utils.data as tud
 
@@ -593,6 +612,7 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
         Loading an image that fails to decode past its header, or that can no longer be read,
         raises it too, naming the file.
     """
+    refuse_in_worker_start("jaxport.train.image_folder()")
     _check_split(image_size, seed, val_fraction)
     from torchvision import transforms as T
 

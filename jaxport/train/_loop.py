@@ -72,6 +72,8 @@ class TrainConfig:
     dtype: str = "float32"
     checkpoint_every: int = 500  # steps; also at each epoch end
     keep_checkpoints: int = 3
+    # --data's loader processes (None: up to 4). They are spawned and run the calling script again
+    # first: a script calling `train` needs an `if __name__ == "__main__":` guard (refused without).
     workers: int | None = None
     max_steps: int | None = None  # stop after this global step (tests, smoke runs)
     memory_limit_bytes: int | None = None  # for --batch-size auto; default: the device's
@@ -610,6 +612,11 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
       DivergedError: the loss or the weights became non-finite (inf/NaN); raised before any
         such state is checkpointed, naming the step and the last good checkpoint.
 
+    With `data` an image folder and `workers` > 0 (the default), loading spawns worker processes
+    that each run the calling script again before they load anything, as Python's
+    multiprocessing does: a script calling `train` must do so under `if __name__ == "__main__":`
+    (without it, the workers' run of the script stops with a ConfigError that says so).
+
     With several processes, all must be given the same settings (checked: flags, data, starting
     weights, a shared workdir). One that stops with an error tells the others, which print it
     and exit with status 2 at once (they are blocked in the step's collectives, where no
@@ -617,6 +624,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     """
     if not isinstance(cfg, TrainConfig):
         raise ConfigError(f"`cfg` (a {type(cfg).__name__}) must be a TrainConfig: train(TrainConfig(workdir=...))")
+    _data.refuse_in_worker_start("jaxport.train.train()")
     invalid = None
     try:
         _validate(cfg)
