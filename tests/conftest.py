@@ -5,6 +5,7 @@ tests need full-precision matmuls (the CPU default may use lower precision passe
 """
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -29,6 +30,11 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_cpu_
                                     "--xla_cpu_collective_call_terminate_timeout_seconds=1800"]).strip()
 # Keep torch and XLA from oversubscribing the 2 cores when pytest-xdist runs 2 workers.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# A suite started in the background (`make test &` from a script, nohup) inherits SIGINT ignored,
+# and so would every command the signal tests start and interrupt: jaxport, like Python, leaves
+# an ignored SIGINT ignored. The tests' own process and children get Python's default instead.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

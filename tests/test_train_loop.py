@@ -939,3 +939,24 @@ def test_a_metrics_row_that_cannot_be_appended_names_the_file_and_what_is_kept(t
             train(cfg)
     assert (tmp_path / "w" / "metrics.jsonl").read_text() == ""
     assert train(cfg)["steps_run"] > 0  # the empty file held nothing: a fresh run is not refused
+
+
+def test_a_signal_the_process_ignores_stays_ignored():
+    """A script's background job (`jaxport train ... &`, nohup) starts with SIGINT ignored. The
+    stop handling took it over, answered one Ctrl-C meant for the foreground, then put the
+    ignoring back, so its promised "another Ctrl-C stops at once" did nothing."""
+    import signal
+
+    from jaxport.train._loop import _StopRequests
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with _StopRequests(1) as stops:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stops._handle  # still taken: nothing ignores it
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == before[signal.SIGTERM]
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)

@@ -483,7 +483,8 @@ class _StopRequests:
     checkpoint (500 by default). `poll(step)` is called after every step by every process.
     - One process: the first signal only sets `signum` and puts the previous handlers back,
       so a second one acts at once (orbax's atomic saves keep that safe too). Handlers can only
-      be set from the main thread; elsewhere signals keep their default effect.
+      be set from the main thread; elsewhere signals keep their default effect. A signal the
+      process ignores (SIG_IGN: a background job's SIGINT) stays ignored.
     - Several processes must agree on the step to save. jax.distributed's preemption service
       already takes SIGTERM on every process and runs that agreement;
       `reached_preemption_sync_point` is true on all of them at the same step. SIGINT keeps its
@@ -527,7 +528,12 @@ class _StopRequests:
 
     def __enter__(self):
         if self.enabled:
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self._SIGNALS}
+            # A signal the process was started ignoring stays ignored, as Python itself leaves
+            # it: a script's background job (`cmd &`, `nohup`) ignores SIGINT so that a Ctrl-C
+            # meant for the foreground does not reach it. Taking it over answered that Ctrl-C,
+            # then put the ignoring back, so the "another Ctrl-C stops at once" it promised did not.
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self._SIGNALS
+                              if signal.getsignal(sig) is not signal.SIG_IGN}
         return self
 
     def __exit__(self, *exc):
