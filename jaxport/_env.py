@@ -74,8 +74,10 @@ def report() -> tuple[list[tuple[str, str]], list[str]]:
         for req in md.requires("torchvision") or []:
             r = Requirement(req)
             if r.name == "torch" and r.specifier and not r.specifier.contains(_base(torch_v), prereleases=True):
+                # (constraints.txt, the tested pair, exists only in a checkout of jaxport.)
                 warnings.append(f"torchvision {tv_v} was built for torch{r.specifier}, found torch {torch_v}: "
-                                f"install the pair together, e.g. pip install -c constraints.txt torch torchvision")
+                                f"install a torch it was built for, pip install 'torch{r.specifier}', or upgrade "
+                                "the pair together, pip install -U torch torchvision")
     for mod in ("torch", "torchvision"):
         if versions[mod]:
             try:
