@@ -12,8 +12,9 @@ before the second or so that importing jax takes, and a signal then ends it with
 """
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
+
+from ._lazy import attach as _attach
 
 __version__ = "0.1.0"
 
@@ -48,17 +49,4 @@ if _typing.TYPE_CHECKING:  # what static tools see; at run time `__getattr__` be
     from ._xla import compiler_options as compiler_options
 
 
-def __getattr__(name: str) -> _typing.Any:
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'jaxport' has no attribute {name!r}") from None
-    value = _importlib.import_module(module, __name__)
-    if attr is not None:
-        value = getattr(value, attr)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return [*__all__, "__version__"]
+__getattr__, __dir__ = _attach(__name__, _LAZY, [*__all__, "__version__"])

@@ -12,8 +12,9 @@ step, checkpoints and loop (jax, flax, optax, orbax) made every spawned worker t
 """
 from __future__ import annotations
 
-import importlib as _importlib
 import typing as _typing
+
+from .._lazy import attach as _attach
 
 # public name -> (module, attribute)
 _LAZY = {
@@ -68,15 +69,4 @@ if _typing.TYPE_CHECKING:  # what static tools see; at run time `__getattr__` be
     from ._memory import step_bytes as step_bytes
 
 
-def __getattr__(name: str) -> _typing.Any:
-    try:
-        module, attr = _LAZY[name]
-    except KeyError:
-        raise AttributeError(f"module 'jaxport.train' has no attribute {name!r}") from None
-    value = getattr(_importlib.import_module(module, __name__), attr)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return list(__all__)
+__getattr__, __dir__ = _attach(__name__, _LAZY, __all__)
