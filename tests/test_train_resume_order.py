@@ -223,7 +223,8 @@ def test_resume_refuses_data_that_changed_since_the_checkpoint(tmp_path, data, r
     step fell mid-way through another epoch, a finished epoch's row was deleted, an "epoch" of a
     few steps was logged as whole and the held-out split was redrawn; all without a word. The
     checkpoint records the data now (counts and a digest of its files), and a change is refused
-    before anything is rewritten. The same files under another path resume as before."""
+    before anything is rewritten. The same files under another path resume as before, and so do
+    files replaced in place (same names and labels)."""
     moved = tmp_path / "moved"
     shutil.copytree(data, moved)
     work = _copy(reference, tmp_path)
@@ -239,10 +240,20 @@ def test_resume_refuses_data_that_changed_since_the_checkpoint(tmp_path, data, r
         train(_cfg(work, moved, resume=True, epochs=4))
     for p in (moved / "a").glob("10[01].png"):
         p.unlink()
-    write_images(moved / "b", 1, start=3, size=(30, 30))  # 3.png replaced: same name, other content and size
+    os.rename(moved / "b" / "3.png", moved / "b" / "3-renamed.png")  # as many images, but another file
     with pytest.raises(ConfigError, match=r"changed since .* \(the same number of images, but other files"):
         train(_cfg(work, moved, resume=True, epochs=4))
     assert {p: p.read_bytes() for p in work.rglob("*") if p.is_file()} == before
+
+    # 3.png replaced in place (same name and label, other content and size): what mending an
+    # image that failed to decode mid-run does, as the error advises ("re-encode it ... and rerun
+    # with --resume"). The epochs, order and split are the run's: it resumes, and says so.
+    os.rename(moved / "b" / "3-renamed.png", moved / "b" / "3.png")
+    write_images(moved / "b", 1, start=3, size=(30, 30))
+    said = []
+    train(_cfg(work, moved, resume=True), log=said.append)
+    assert any(m.startswith("resuming from step 12; some of --data's images have other sizes than when the "
+                            "checkpoint was written") for m in said), said
 
 
 def test_resume_rewrites_metrics_to_one_row_per_finished_epoch(tmp_path, data, reference):
@@ -465,3 +476,12 @@ def test_an_image_gone_while_a_stop_request_arrives_still_checkpoints_the_last_s
                      str(e.value)), str(e.value)
     shutil.move(aside, copy / "a")
     _resume_and_compare(work, copy, reference, monkeypatch)
+
+
+def test_only_sizes_changed_is_a_replacement_in_place():
+    was = {"train": 16, "val": 4, "files": "f1", "names": "n1"}
+    assert _loop._replaced_in_place(was, was | {"files": "f2"})
+    assert not _loop._replaced_in_place(was, was | {"files": "f2", "names": "n2"})
+    assert not _loop._replaced_in_place(was, was | {"files": "f2", "train": 17})
+    # A checkpoint written before the names were recorded apart is compared whole, as then.
+    assert not _loop._replaced_in_place({k: v for k, v in was.items() if k != "names"}, was | {"files": "f2"})

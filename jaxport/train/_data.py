@@ -680,13 +680,14 @@ def _fingerprint(root: str, *splits: list[tuple[str, int]], sizes: int = 256) ->
     """A digest of each split's files (paths relative to `root`, labels) and of the sizes of up
     to `sizes` of them, evenly spread: two processes reading other copies of a data set (each
     machine mounts its own) agree on it unless the copies differ. Sizes of a sample only, since
-    a stat per file of a million-image set on a network file system takes minutes."""
+    a stat per file of a million-image set on a network file system takes minutes. `sizes=0`:
+    the names and labels alone."""
     h = hashlib.sha256()
     for split in splits:
         h.update(b"split;")
         for path, label in split:
             # os.fsencode: a name that is not UTF-8 (undecodable bytes) is a str .encode() refuses
             h.update(os.fsencode(os.path.relpath(path, root)) + f":{label};".encode())
-        for path, _ in split[::max(1, len(split) // sizes)][:sizes]:
+        for path, _ in split[::max(1, len(split) // sizes)][:sizes] if sizes else ():
             h.update(f"{os.path.getsize(path)};".encode())
     return h.hexdigest()[:16]

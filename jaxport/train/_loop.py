@@ -379,7 +379,7 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
     # A changed --data (images added, removed or replaced) resumed mid-way through another epoch,
     # dropped finished epochs' rows and reported an epoch trained on a few steps as whole.
     was, now = saved.get("data"), meta["data"]
-    if was is not None and was != now:
+    if was is not None and was != now and not _replaced_in_place(was, now):
         what = (f"{now['train']} train / {now['val']} val images, the checkpoint's run had {was['train']} / "
                 f"{was['val']}" if (was["train"], was["val"]) != (now["train"], now["val"]) else
                 "the same number of images, but other files (names, labels or sizes)")
@@ -391,6 +391,15 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"--resume: `{flag}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}) "
                               f"in {workdir}; use {flag} {saved.get(key)} to continue that run")
+
+
+def _replaced_in_place(was: dict, now: dict) -> bool:
+    """Whether `--data` differs from the checkpoint's only in the sizes of some files: the same
+    files by name and label, so the same epochs, data order and held-out split. That is what
+    mending an image does (a good copy of one that failed to decode mid-run, or one re-encoded,
+    as `_data.ImageError` advises), and what --resume must then take. (Checkpoints written before
+    the names were recorded apart compare whole, as then.)"""
+    return was.get("names") is not None and all(was.get(k) == now.get(k) for k in ("train", "val", "names"))
 
 
 def _check_resumable_early(cfg: TrainConfig, data, files) -> tuple[int | None, dict | None]:
@@ -409,12 +418,21 @@ def _check_resumable_early(cfg: TrainConfig, data, files) -> tuple[int | None, d
     return step, saved
 
 
-def _run_meta(cfg: TrainConfig, data, files) -> dict:
+def _run_meta(cfg: TrainConfig, data, files: tuple[str, str]) -> dict:
     """What every checkpoint records of the run that wrote it, for --resume to compare
-    (`_check_resumable`) and `jaxport export` to read (the arch)."""
+    (`_check_resumable`) and `jaxport export` to read (the arch). `files`: `_data_digests`."""
     return {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
             "image_size": cfg.image_size,
-            "data": {"train": data.train.num_examples, "val": data.val.num_examples, "files": files}}
+            "data": {"train": data.train.num_examples, "val": data.val.num_examples, "files": files[0],
+                     "names": files[1]}}
+
+
+def _data_digests(data) -> tuple[str, str]:
+    """Digests of `data`'s files: with a sample of their sizes (what other processes, reading
+    their own copies, must agree on), and of their names and labels alone (`_replaced_in_place`)."""
+    if not data.fingerprint:  # the embedded digits
+        return "digits", "digits"
+    return data.fingerprint(), data.fingerprint(sizes=0)
 
 
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
@@ -699,7 +717,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                           f"use at most {jax.device_count()}, or None for all of them")
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
-    files = data.fingerprint() if data.fingerprint else "digits"  # what --resume and other processes compare
+    files = _data_digests(data)  # what --resume and other processes compare
     # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
     # or failing on a file since moved) only to be overwritten.
     resumed_step, resumed_meta = _check_resumable_early(cfg, data, files) if cfg.resume else (None, None)
@@ -719,7 +737,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             "--resume (latest checkpoint step)": resumed_step,
             "--data (classes)": data.classes,
             "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
-            "--data (files)": files,
+            "--data (files)": files[0],
             "starting weights (--init, --seed)": _digest(variables)})
 
     per_device_batch = None
@@ -832,6 +850,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                       "holds every weight)" if cfg.init else "")
             changes = _changes(saved.get("settings"), meta["settings"], batch,
                                trains=int(state.step) < _last_step(cfg, steps_per_epoch))
+            if saved.get("data") not in (None, meta["data"]):  # (`_check_resumable` took it: `_replaced_in_place`)
+                changes += ("; some of --data's images have other sizes than when the checkpoint was written (the "
+                            "same files by name and label: replaced in place), and are used as they are now")
             say(f"resuming from step {int(state.step)}{changes}{unused}")
             if unevaluated is not None:
                 say(f"--resume: epoch {unevaluated['epoch'] + 1} was trained, but its evaluation did not finish: "
