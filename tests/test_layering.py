@@ -18,8 +18,13 @@ def test_jax_side_does_not_import_torch():
 def test_cli_entry_point_imports_no_jax():
     """The console script imports `jaxport._cli` first: it must load no jax (a second or more), so
     that its Ctrl-C/SIGTERM handling is in place before that time (see test_cli_signals.py)."""
-    code = ("import sys, jaxport._cli\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'torch'))\n"
+    _assert_loads_none_of("jaxport._cli", ("jax", "jaxlib", "flax", "torch"))
+
+
+def _assert_loads_none_of(modules: str, packages: tuple[str, ...]) -> None:
+    """`import <modules>` in a fresh Python loads no module of `packages`."""
+    code = (f"import sys, {modules}\n"
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {packages!r})\n"
             "assert not bad, bad[:10]\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -48,11 +53,7 @@ def test_a_data_loader_worker_imports_no_jax():
     """A spawned DataLoader worker unpickles its dataset from `jaxport.train._data` (and the CLI's
     warning display from `jaxport._cli`): importing jax, flax, optax and orbax there cost every
     worker ~1.5 s and ~200 MB each time an epoch's loading or evaluation started."""
-    code = ("import sys, jaxport.train._data, jaxport._cli\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'optax', 'orbax'))\n"
-            "assert not bad, bad[:10]\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _assert_loads_none_of("jaxport.train._data, jaxport._cli", ("jax", "jaxlib", "flax", "optax", "orbax"))
 
 
 def test_every_public_name_of_jaxport_train_resolves():

@@ -323,22 +323,8 @@ def test_an_image_gone_mid_run_checkpoints_the_last_step_and_says_how_to_continu
     images and resuming ends with the uninterrupted run's rows and weights."""
     copy = tmp_path / "data"
     shutil.copytree(data, copy)
-    make = _loop.make_train_step
-    calls = []
-
-    def moving_after_step_5(*args, **kwargs):
-        step = make(*args, **kwargs)
-
-        def counted(*a):
-            out = step(*a)
-            calls.append(1)
-            if len(calls) == 5:
-                shutil.move(copy / "a", tmp_path / "a-aside")
-            return out
-        return counted
-
     with monkeypatch.context() as m:
-        m.setattr(_loop, "make_train_step", moving_after_step_5)
+        calls = _move_after_steps(m, copy / "a", tmp_path / "a-aside", 5)
         with pytest.raises(ConfigError) as e:
             train(_cfg(tmp_path / "w", copy, checkpoint_every=100))  # only the epochs' ends (4, 8)
     saved = _steps(tmp_path / "w")[-1]
