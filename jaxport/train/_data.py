@@ -67,9 +67,9 @@ class Data:
     val: Split
     classes: list[str]
     skipped: int = 0  # unreadable images left out, with a warning
-    # `() -> str` digest of the files (names, labels, some sizes), which every process of a run
-    # must share; computed only when asked (multi-process runs). None: nothing to compare.
-    fingerprint: Callable[[], str] | None = None
+    # `() -> {"files": digest, "names": digest}` of the files (`_fingerprint`), which a resumed run
+    # and every process of a run compare. None: nothing to compare (the embedded digits).
+    fingerprint: Callable[[], dict[str, str]] | None = None
 
     @property
     def num_classes(self) -> int:
@@ -676,18 +676,22 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
                 classes, skipped, functools.partial(_fingerprint, root, train_samples, val_samples))
 
 
-def _fingerprint(root: str, *splits: list[tuple[str, int]], sizes: int = 256) -> str:
-    """A digest of each split's files (paths relative to `root`, labels) and of the sizes of up
-    to `sizes` of them, evenly spread: two processes reading other copies of a data set (each
-    machine mounts its own) agree on it unless the copies differ. Sizes of a sample only, since
-    a stat per file of a million-image set on a network file system takes minutes. `sizes=0`:
-    the names and labels alone."""
-    h = hashlib.sha256()
+def _fingerprint(root: str, *splits: list[tuple[str, int]], sizes: int = 256) -> dict[str, str]:
+    """Digests of each split's files, in one pass: "files", of their paths (relative to `root`),
+    labels and the sizes of up to `sizes` of them, evenly spread, on which two processes reading
+    other copies of a data set (each machine mounts its own) agree unless the copies differ;
+    "names", of the paths and labels alone, which an image replaced in place (re-encoded) keeps.
+    Sizes of a sample only, since a stat per file of a million-image set on a network file system
+    takes minutes."""
+    files, names = hashlib.sha256(), hashlib.sha256()
     for split in splits:
-        h.update(b"split;")
+        for h in (files, names):
+            h.update(b"split;")
         for path, label in split:
             # os.fsencode: a name that is not UTF-8 (undecodable bytes) is a str .encode() refuses
-            h.update(os.fsencode(os.path.relpath(path, root)) + f":{label};".encode())
-        for path, _ in split[::max(1, len(split) // sizes)][:sizes] if sizes else ():
-            h.update(f"{os.path.getsize(path)};".encode())
-    return h.hexdigest()[:16]
+            entry = os.fsencode(os.path.relpath(path, root)) + f":{label};".encode()
+            files.update(entry)
+            names.update(entry)
+        for path, _ in split[::max(1, len(split) // sizes)][:sizes]:
+            files.update(f"{os.path.getsize(path)};".encode())
+    return {"files": files.hexdigest()[:16], "names": names.hexdigest()[:16]}

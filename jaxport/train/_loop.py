@@ -418,21 +418,13 @@ def _check_resumable_early(cfg: TrainConfig, data, files) -> tuple[int | None, d
     return step, saved
 
 
-def _run_meta(cfg: TrainConfig, data, files: tuple[str, str]) -> dict:
+def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
     """What every checkpoint records of the run that wrote it, for --resume to compare
-    (`_check_resumable`) and `jaxport export` to read (the arch). `files`: `_data_digests`."""
+    (`_check_resumable`) and `jaxport export` to read (the arch). `files`: `Data.fingerprint()`'s
+    digests."""
     return {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
             "image_size": cfg.image_size,
-            "data": {"train": data.train.num_examples, "val": data.val.num_examples, "files": files[0],
-                     "names": files[1]}}
-
-
-def _data_digests(data) -> tuple[str, str]:
-    """Digests of `data`'s files: with a sample of their sizes (what other processes, reading
-    their own copies, must agree on), and of their names and labels alone (`_replaced_in_place`)."""
-    if not data.fingerprint:  # the embedded digits
-        return "digits", "digits"
-    return data.fingerprint(), data.fingerprint(sizes=0)
+            "data": {"train": data.train.num_examples, "val": data.val.num_examples, **files}}
 
 
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
@@ -717,7 +709,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                           f"use at most {jax.device_count()}, or None for all of them")
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
-    files = _data_digests(data)  # what --resume and other processes compare
+    # What --resume and other processes compare.
+    files = data.fingerprint() if data.fingerprint else {"files": "digits", "names": "digits"}
     # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
     # or failing on a file since moved) only to be overwritten.
     resumed_step, resumed_meta = _check_resumable_early(cfg, data, files) if cfg.resume else (None, None)
@@ -737,7 +730,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             "--resume (latest checkpoint step)": resumed_step,
             "--data (classes)": data.classes,
             "--data (train/val images)": [data.train.num_examples, data.val.num_examples],
-            "--data (files)": files[0],
+            "--data (files)": files["files"],
             "starting weights (--init, --seed)": _digest(variables)})
 
     per_device_batch = None
