@@ -142,9 +142,18 @@ def file_kind(path: str | os.PathLike) -> str:
     return next((name for test, name in kinds if test(mode)), "a special file")
 
 
+# The bytes of a file's name kept in its temporary's name. mkstemp adds 8 characters, the affixes
+# 6 more: a name of 242-255 bytes, which the file system takes, made a temporary one of over
+# NAME_MAX (255 bytes on Linux, macOS and Windows), and the write failed "File name too long".
+_TEMPORARY_NAME_BYTES = 200
+
+
 def _temporary_affixes(name: str) -> tuple[str, str]:
     """`(prefix, suffix)` of `atomic_path`'s hidden temporary for a file `name`: one definition,
     read by the writer and by `remove_temporaries`, which must find what the writer left."""
+    encoded = os.fsencode(name)
+    if len(encoded) > _TEMPORARY_NAME_BYTES:  # whole characters: a cut one (and undecodable bytes) dropped
+        name = encoded[:_TEMPORARY_NAME_BYTES].decode("utf-8", "ignore")
     return f".{name}.", ".tmp"
 
 
@@ -216,8 +225,8 @@ def remove_temporaries(directory: str | os.PathLike, names: tuple[str, ...]) -> 
     """
     gone = []
     for name in names:
-        prefix, suffix = _temporary_affixes(glob.escape(name))
-        for tmp in Path(directory).glob(f"{prefix}*{suffix}"):
+        prefix, suffix = _temporary_affixes(name)
+        for tmp in Path(directory).glob(f"{glob.escape(prefix)}*{suffix}"):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
                 gone.append(tmp)

@@ -140,3 +140,22 @@ def test_atomic_path_names_the_target_when_the_rename_fails(tmp_path):
             tmp.write_bytes(b"png")
     assert err.value.filename == str(target), err.value
     assert sorted(p.name for p in tmp_path.iterdir()) == ["training_curves.png"]  # no temporary left
+
+
+@pytest.mark.parametrize("name", ["v" * 241 + ".pt", "v" * 252 + ".pt", "a" + "é" * 120 + ".safetensors"],
+                         ids=["244 bytes", "255 bytes", "253 bytes, cut inside a character"])
+def test_atomic_path_writes_names_up_to_the_file_systems_limit(tmp_path, name):
+    """`.NAME.XXXXXXXX.tmp` is 14 bytes longer than NAME: an --out of 242-255 bytes, which the
+    file system takes, failed "File name too long" on its temporary file. `remove_temporaries`
+    still finds what a killed writer left of such a name."""
+    from jaxport._io import atomic_path, remove_temporaries
+
+    assert 244 <= len(os.fsencode(name)) <= 255
+    target = tmp_path / name
+    with atomic_path(target) as tmp:
+        tmp.write_bytes(b"data")
+        os.link(tmp, tmp_path / "kept")
+    assert target.read_bytes() == b"data"
+    os.rename(tmp_path / "kept", tmp)  # the temporary file as a killed writer leaves it
+    assert remove_temporaries(tmp_path, (name,)) == [tmp]
+    assert [p.name for p in tmp_path.iterdir()] == [name]
