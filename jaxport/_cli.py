@@ -426,7 +426,10 @@ def _cmd_export(args) -> int:
                                         metadata={"format": "pt"})
             load = "safetensors.torch.load_file(path)"
         else:
-            torch.save(state_dict, tmp)
+            # To a file object: torch names the archive's folder after a path it is given, here the
+            # random temporary one, so two exports of the same weights differed.
+            with open(tmp, "wb") as f:
+                torch.save(state_dict, f)
             load = "torch.load(path)"
     num_classes = torch_compat.num_classes_of(state_dict)
     if num_classes:

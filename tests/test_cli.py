@@ -75,6 +75,18 @@ def test_port_verify_export_round_trip(tmp_path, resnet18_checkpoint):
     model.load_state_dict(back, strict=True)
     for k, v in reference("resnet18").state_dict().items():
         assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    # Reproducible: torch named the archive's folder after the random temporary file it wrote.
+    again = tmp_path / "again" / "other.pt"
+    assert main(["export", str(out), "--out", str(again)]) == 0
+    assert again.read_bytes() == pt.read_bytes()
+
+
+def test_the_embedded_default_checkpoint_is_the_same_file_in_every_cache(tmp_path):
+    """The README's main job starts from it: its bytes must not depend on the cache, nor on the
+    random temporary name it was written under (torch named the archive's folder after it)."""
+    a = torch_compat._default.default_checkpoint(tmp_path / "a" / torch_compat._default.FILENAME)
+    b = torch_compat._default.default_checkpoint(tmp_path / "b" / "elsewhere.pth.tar")
+    assert a.read_bytes() == b.read_bytes()
 
 
 def test_verify_fails_with_exit_1_on_a_broken_port(tmp_path, resnet18_checkpoint, capsys):

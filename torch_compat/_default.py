@@ -50,8 +50,10 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
         # The temporary file is made before the ~2 s build, so an unwritable cache is said at once.
         with atomic_path(path) as tmp:
             checkpoint = _training_script_dict()
-            with saving_as_cuda("cuda:0"):
-                torch.save(checkpoint, tmp)
+            # To a file object: torch names the archive's folder after a path it is given (the
+            # random temporary one), and the same checkpoint differed from one cache to another.
+            with saving_as_cuda("cuda:0"), open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
     except OSError as e:
         # It was "No such file or directory: '/x/resnet50_...'", naming neither the cache nor the
         # way to move it (a read-only or missing HOME is the usual cause).
