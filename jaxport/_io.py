@@ -352,7 +352,28 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
     # the data plus a generous bound on the JSON header (~100 bytes per tensor)
     with atomic_path(path, nbytes=sum(a.nbytes for a in flat.values()) + 100 * len(flat) + 4096) as tmp:
         safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
+        _sort_metadata(tmp)
     return path
+
+
+def _sort_metadata(path: Path) -> None:
+    """Rewrite a safetensors header with its `__metadata__` keys sorted, in place.
+
+    safetensors (0.8) writes the metadata from a Rust HashMap, whose order is random per
+    process (safetensors/safetensors#584): two ports of one checkpoint differed in their header.
+    The same keys and values in another order take the same bytes, so the data offsets stand.
+    """
+    with open(path, "r+b") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+        meta = header.pop("__metadata__", None)
+        if not meta:
+            return
+        text = json.dumps({"__metadata__": dict(sorted(meta.items())), **header}, separators=(",", ":"),
+                          ensure_ascii=False).encode()
+        if len(text) <= size:  # it is as long, unless a later safetensors writes its JSON otherwise
+            f.seek(8)
+            f.write(text.ljust(size, b" "))  # the spec's padding: spaces before the data
 
 
 def _check_keys(tree: Mapping[str, Any], where: str) -> None:

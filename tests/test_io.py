@@ -39,6 +39,24 @@ def test_round_trip_is_bit_exact_with_metadata(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # umask permissions, not mkstemp's 0600
 
 
+def test_the_same_variables_give_the_same_bytes(tmp_path):
+    """safetensors writes the header's metadata in a random order (a Rust HashMap's, new with
+    each save): two ports of one checkpoint differed. The header is rewritten sorted."""
+    v = _variables()
+    meta = {k: f"value {k}" for k in ("source", "source_path", "step", "zeta", "alpha")}
+    files = [jaxport.save_variables(tmp_path / f"{i}.safetensors", v, arch="resnet18", metadata=meta).read_bytes()
+             for i in range(6)]
+    assert all(f == files[0] for f in files)
+    path = tmp_path / "0.safetensors"
+    assert jaxport.read_metadata(path) == {"format": jaxport._io.FORMAT, "version": "1", "arch": "resnet18", **meta}
+    header = json.loads(files[0][8:8 + int.from_bytes(files[0][:8], "little")])
+    assert list(header["__metadata__"]) == sorted(header["__metadata__"])
+    back = jaxport._io.flatten(jaxport.load_variables(path))
+    flat = jaxport._io.flatten(v)
+    assert all(np.array_equal(back[k], flat[k]) and back[k].dtype == flat[k].dtype for k in flat)
+    assert safetensors.numpy.load_file(str(path)).keys() == flat.keys()  # the library still reads it
+
+
 @pytest.mark.parametrize("variables,named", [
     ({"params": {"a": ml_dtypes.float8_e4m3fn(1) * np.ones(2, ml_dtypes.float8_e4m3fn)}}, r"params/a \(float8_e4m3fn\)"),
     ({"params": {"a": np.ones(2, np.complex64)}}, r"params/a \(complex64\)"),
