@@ -12,6 +12,7 @@ import errno
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -394,14 +395,18 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 
 def load_variables(path: str | os.PathLike) -> dict[str, Any]:
-    """Read variables written by `save_variables` (or any safetensors file with `/` paths).
+    """Read variables written by `save_variables`, or any safetensors file of a flattened Flax tree.
+
+    Such a file's keys are paths joined with '/' (`params/conv1/kernel`, as `save_variables` and
+    `flax.traverse_util.flatten_dict(variables, sep="/")` write them) or with '.'.
 
     The arrays are read-only memory maps of the file: nothing is copied until used. Copy with
     `np.array(x)` before writing to one.
 
     Raises:
       CheckpointError: missing, empty, truncated or malformed file, naming it; a tensor path
-        that is also a group of others (`params/fc` beside `params/fc/bias`), naming both; or a
+        that is also a group of others (`params/fc` beside `params/fc/bias`), naming both; a Flax
+        tree flattened with another separator (`params::conv1::kernel`), naming it and the fix; or a
         torch checkpoint in safetensors form (torch keys, no `/` paths), pointing to `jaxport port`.
 
     Example:
@@ -411,11 +416,17 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path)
     header, metadata = _open(path)
     keys = [k for k in header if k != "__metadata__"]
-    if not _holds_variables(keys, metadata):
+    sep = key_separator(keys, metadata)
+    if sep is None:
         raise CheckpointError(
             f"variables file '{path}' holds torch-style keys ({', '.join(keys[:2])}, ...), not Flax variables; "
             f"it is a torch checkpoint in safetensors form: port it with `jaxport port {shell_word(path)}` "
             "(or torch_compat.load_state_dict + torch_to_flax)")
+    if sep not in ("/", "."):
+        raise CheckpointError(
+            f"variables file '{path}' holds Flax variables whose keys are joined with {sep!r} ({keys[0]}, ...); "
+            "jaxport reads keys joined with '/' (or '.'): re-save them with "
+            "safetensors.flax.save_file(flax.traverse_util.flatten_dict(variables, sep='/'), path)")
     start = 8 + int.from_bytes(path.open("rb").read(8), "little")
     mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
     flat = {}
@@ -426,7 +437,7 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
         if dtype is None:
             raise CheckpointError(f"variables file '{path}': tensor '{key}' has dtype {info['dtype']}, which jaxport cannot read")
         lo, hi = info["data_offsets"]
-        flat[key] = mm[start + lo:start + hi].view(dtype).reshape(info["shape"])
+        flat[key.replace(sep, "/")] = mm[start + lo:start + hi].view(dtype).reshape(info["shape"])
     try:
         return unflatten(flat)
     except ValueError as e:
@@ -437,18 +448,34 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def holds_variables(path: str | os.PathLike) -> bool:
-    """Whether a safetensors file holds Flax variables (jaxport's format, or `/` paths), rather
-    than a torch state_dict in safetensors form (`conv1.weight` keys, as the model hubs publish).
+    """Whether a safetensors file holds Flax variables (jaxport's format, `/` paths, or a Flax
+    tree flattened with another separator, `params.conv1.kernel`), rather than a torch
+    state_dict in safetensors form (`conv1.weight` keys, as the model hubs publish).
 
     Raises:
       CheckpointError: missing, empty, truncated or malformed file, naming it.
     """
     header, metadata = _open(Path(path))
-    return _holds_variables([k for k in header if k != "__metadata__"], metadata)
+    return key_separator([k for k in header if k != "__metadata__"], metadata) is not None
 
 
-def _holds_variables(keys: list[str], metadata: Mapping[str, str]) -> bool:
-    return metadata.get("format") == FORMAT or not keys or all("/" in k for k in keys)
+# The variable collections a Flax ResNet has: keys that start with one, then a separator, are
+# a flattened Flax tree, whatever the separator.
+_COLLECTIONS = ("batch_stats", "params")
+
+
+def key_separator(keys: list[str], metadata: Mapping[str, str]) -> str | None:
+    """What joins a file's keys into Flax paths: '/' (jaxport's format, and any file whose keys
+    all hold one), or what follows a collection name in every key (`flatten_dict(v, sep=".")`
+    gives '.'); None for a torch state_dict's keys."""
+    if metadata.get("format") == FORMAT or not keys or all("/" in k for k in keys):
+        return "/"
+    first = next((c for c in _COLLECTIONS if keys[0].startswith(c)), None)
+    sep = first and re.match(r"[^0-9A-Za-z]+", keys[0][len(first):])
+    if not sep:
+        return None
+    sep = sep.group()
+    return sep if all(any(k.startswith(c + sep) for c in _COLLECTIONS) for k in keys) else None
 
 
 def _open(path: Path) -> tuple[dict, dict[str, str]]:

@@ -146,6 +146,41 @@ def test_a_torch_checkpoint_in_safetensors_form_is_named_as_such(tmp_path):
         jaxport.load_variables(path)
 
 
+def _user_file(path, variables, sep):
+    """What a user writes with safetensors' own flax API, no jaxport metadata."""
+    import flax.traverse_util
+    import safetensors.flax
+
+    safetensors.flax.save_file(flax.traverse_util.flatten_dict(variables, sep=sep), str(path))
+    return path
+
+
+@pytest.mark.parametrize("sep", ["/", "."])
+def test_a_users_own_flax_file_loads_with_either_separator(tmp_path, sep):
+    """A file of `flatten_dict(variables, sep=".")` was called a torch checkpoint ("port it with
+    jaxport port"), and `jaxport port` then refused it as no ResNet: a dead end."""
+    v = {"params": {"layer1": {"0": {"conv1": {"kernel": np.ones((3, 3, 4, 4), np.float32)}}}},
+         "batch_stats": {"bn1": {"mean": np.arange(4, dtype=np.float32)}}}
+    path = _user_file(tmp_path / "mine.safetensors", v, sep)
+    assert jaxport._io.holds_variables(path)  # what `train --init` and `export` ask first
+    back = jaxport.load_variables(path)
+    assert jaxport._io.flatten(back).keys() == jaxport._io.flatten(v).keys()
+    assert np.array_equal(back["batch_stats"]["bn1"]["mean"], v["batch_stats"]["bn1"]["mean"])
+
+
+@pytest.mark.parametrize("sep", ["::", "_", "|"])
+def test_a_flax_file_with_another_separator_names_it_and_the_fix(tmp_path, sep):
+    v = {"params": {"conv1": {"kernel": np.ones((3, 3, 4, 4), np.float32)}},
+         "batch_stats": {"bn1": {"mean": np.zeros(4, np.float32)}}}
+    path = _user_file(tmp_path / "mine.safetensors", v, sep)
+    assert jaxport._io.holds_variables(path)  # so callers reach the error below, not a torch one
+    with pytest.raises(CheckpointError) as e:
+        jaxport.load_variables(path)
+    msg = str(e.value)
+    assert f"holds Flax variables whose keys are joined with {sep!r}" in msg and "torch" not in msg, msg
+    assert "flatten_dict(variables, sep='/')" in msg and str(path) in msg, msg
+
+
 def test_atomic_path_names_the_target_when_the_rename_fails(tmp_path):
     """A directory where the file should go (e.g. a workdir's training_curves.png/) failed with
     the hidden temporary file's name."""

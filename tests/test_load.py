@@ -913,3 +913,22 @@ def test_an_unwritable_cache_for_the_default_checkpoint_names_the_way_out(tmp_pa
     with pytest.raises(CheckpointError, match=r"cannot write the embedded default checkpoint to '.*x.pth' \([^)]*\)$"):
         _default.default_checkpoint(tmp_path / "file" / "x.pth")
     assert built == []
+
+
+@pytest.mark.parametrize("sep", [".", "::"])
+def test_a_users_flax_file_is_named_as_such(tmp_path, sep):
+    """`flatten_dict(variables, sep=".")` saved with safetensors.flax: `jaxport port` took it for a
+    state dict and said it "does not look like a torchvision ResNet"."""
+    import flax.traverse_util
+    import jax.numpy as jnp
+    import safetensors.flax
+
+    variables = {
+        "params": {"conv1": {"kernel": jnp.ones((3, 3, 3, 4))}}, "batch_stats": {"bn1": {"mean": jnp.zeros(4)}}}
+    path = tmp_path / "mine.safetensors"
+    safetensors.flax.save_file(flax.traverse_util.flatten_dict(variables, sep=sep), str(path))
+    with pytest.raises(CheckpointError, match=r"is already a file of Flax variables \(keys such as "
+                                              rf"'batch_stats{re.escape(sep)}bn1{re.escape(sep)}mean'\).*jaxport export"
+                       ) as e:
+        load_state_dict(path)
+    one_line_error(e, path)

@@ -66,6 +66,7 @@ import torch
 
 from jaxport._args import shell_word
 from jaxport._errors import CheckpointError
+from jaxport._io import key_separator
 
 # Keys under which training scripts store the weights, in the order they are looked up.
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
@@ -188,11 +189,15 @@ def load_state_dict(
     kind = sniff(shown)
     if kind == "safetensors":
         obj: Any = _load_safetensors(shown)
-        if obj and all("/" in k for k in obj):  # jaxport's `collection/path/leaf` keys: a port, not a state dict
+        # jaxport's `collection/path/leaf` keys, or a Flax tree a user flattened with another
+        # separator (`params.conv1.kernel`): a port, not a state dict.
+        sep = key_separator(list(obj), {}) if obj else None
+        if sep is not None:
+            what = ("a jaxport variables file (written by `jaxport port` or `jaxport train`)" if sep == "/" else
+                    f"a file of Flax variables (keys such as {next(iter(obj))!r})")
             raise CheckpointError(
-                f"'{shown}' is already a jaxport variables file (written by `jaxport port` or `jaxport train`), "
-                f"not a torch checkpoint: read it with jaxport.load_variables, or turn it back into a torch "
-                f"state_dict with `jaxport export {shell_word(shown)} --out model.pt`")
+                f"'{shown}' is already {what}, not a torch checkpoint: read it with jaxport.load_variables, or "
+                f"turn it back into a torch state_dict with `jaxport export {shell_word(shown)} --out model.pt`")
     else:
         obj = _load_torch(shown, kind, trusted=trusted, mmap=mmap and kind == "zip", check_crc=check_crc)
     try:
