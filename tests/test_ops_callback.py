@@ -84,3 +84,35 @@ def test_topk_mask_long_rows_split_across_threads_stay_exact(monkeypatch):
     want = torch_rank(to_torch(x, "float32"), -1, True) < k[:, None]
     np.testing.assert_array_equal(np.asarray(jax.jit(topk_mask)(x, jnp.asarray(k))), want)
     assert len(blocks) > 1, blocks
+
+
+@pytest.mark.parametrize("bridge", ["buffer_callback", "pure_callback"])
+def test_eager_calls_compile_once_per_shape(bridge, monkeypatch):
+    """Each eager `rank` / `topk_mask` made a new callback closure, which jax keys its compiled
+    computations on: every call compiled again (~50 ms) and kept the executable (~1.4 MB a call,
+    which `jax.clear_caches()` did not give back)."""
+    if bridge == "pure_callback":
+        monkeypatch.setattr(_callback, "_buffer_callback", None)
+    elif _callback._buffer_callback is None:
+        pytest.skip("this jax has no jax.experimental.buffer_callback")
+    compiles = []
+
+    def count(event, _duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    x = jnp.asarray(tricky((4, 8), "float32", seed=6))
+    want = torch_rank(to_torch(np.asarray(x), "float32"), -1, True)  # topk_mask keeps the largest
+    calls = {"rank": lambda: rank(x, method="host"), "topk_mask": lambda: topk_mask(x, 3, method="host")}
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for name, call in calls.items():
+            first = jax.block_until_ready(call())  # compiles what it needs
+            before = len(compiles)
+            for _ in range(5):
+                again = jax.block_until_ready(call())
+                np.testing.assert_array_equal(np.asarray(again), np.asarray(first))
+            assert len(compiles) == before, f"{name}: {len(compiles) - before} compiles in 5 calls of one shape"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    np.testing.assert_array_equal(np.asarray(first), want < 3)
