@@ -960,3 +960,33 @@ def test_a_signal_the_process_ignores_stays_ignored():
     finally:
         for s, h in before.items():
             signal.signal(s, h)
+
+
+def test_the_plot_leaves_the_callers_matplotlib_as_it_was(tmp_path):
+    """`train` ends with the plot, which called `matplotlib.use("Agg")`: a notebook's inline
+    backend was switched off for the rest of the session. A failed write also left pyplot holding
+    the figure. Checked in a fresh interpreter, whose backend is the caller's choice."""
+    rows = [{"epoch": e, "train_loss": 1.0 / (e + 1), "val_loss": 2.0 / (e + 1), "train_acc": 0.5, "val_acc": 0.4}
+            for e in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "dir.png").mkdir()  # a write that fails: a directory in the plot's place
+    script = """
+import sys, matplotlib
+matplotlib.use("svg")
+import matplotlib.pyplot as plt
+from jaxport.train._loop import plot_metrics
+work = sys.argv[1]
+plot_metrics(work + "/metrics.jsonl", work + "/curves.png")
+try:
+    plot_metrics(work + "/metrics.jsonl", work + "/dir.png")
+except OSError:
+    pass
+print(matplotlib.get_backend(), plt.get_fignums())
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))},
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["svg", "[]"], proc.stdout
+    png = (tmp_path / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000

@@ -577,14 +577,14 @@ def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict
 
 def plot_metrics(metrics_path: str, out_path: str) -> None:
     """A PNG of train/val loss and accuracy per epoch from `metrics.jsonl`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # A Figure of its own, not pyplot's: `matplotlib.use("Agg")` switched the caller's backend
+    # (a notebook's inline plots stopped), and pyplot kept the figure when the write failed.
+    from matplotlib.figure import Figure
 
     rows = _read_metrics(metrics_path)
     ep = [r["epoch"] + 1 for r in rows]  # 1-based, as the log lines count them
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    fig = Figure(figsize=(10, 4))
+    a, b = fig.subplots(1, 2)
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
     a.plot(ep, [r["val_loss"] for r in rows], "o-", label="val")
     a.set_yscale("log")  # the first epoch's val loss (BatchNorm statistics still settling) can be 100x the rest
@@ -594,8 +594,7 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.legend(), b.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(out_path) as tmp:
-        fig.savefig(tmp, dpi=100, format="png")
-    plt.close(fig)
+        fig.savefig(tmp, dpi=100, format="png")  # Agg: a Figure's own canvas draws PNG without a backend
 
 
 def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
