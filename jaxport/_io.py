@@ -427,7 +427,8 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
             f"variables file '{path}' holds Flax variables whose keys are joined with {sep!r} ({keys[0]}, ...); "
             "jaxport reads keys joined with '/' (or '.'): re-save them with "
             "safetensors.flax.save_file(flax.traverse_util.flatten_dict(variables, sep='/'), path)")
-    start = 8 + int.from_bytes(path.open("rb").read(8), "little")
+    with path.open("rb") as fh:
+        start = 8 + int.from_bytes(fh.read(8), "little")
     mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
     flat = {}
     for key, info in header.items():

@@ -39,6 +39,21 @@ def test_round_trip_is_bit_exact_with_metadata(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o666 & ~umask  # umask permissions, not mkstemp's 0600
 
 
+def test_loading_closes_every_file_it_opens(tmp_path):
+    """`load_variables` read the header's length from a file object it never closed: a
+    ResourceWarning (an error under `-W error`) on every load."""
+    import gc
+    import warnings
+
+    path = jaxport.save_variables(tmp_path / "v.safetensors", _variables(), arch="resnet18")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for read in (jaxport.load_variables, jaxport.read_metadata, jaxport._io.holds_variables):
+            read(path)
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
 def test_the_same_variables_give_the_same_bytes(tmp_path):
     """safetensors writes the header's metadata in a random order (a Rust HashMap's, new with
     each save): two ports of one checkpoint differed. The header is rewritten sorted."""
