@@ -47,9 +47,15 @@ def test_cross_check_detects_broken_ports(mutation):
 
 
 def test_cross_check_reports_both_modes_and_passes_a_correct_port():
-    reports = torch_compat.cross_check(reference("resnet18").state_dict())
+    sd = reference("resnet18").state_dict()
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    reports = torch_compat.cross_check(sd)
     assert [r.mode for r in reports] == ["eval", "train"]
     assert all(r.ok for r in reports), "\n".join(r.table() for r in reports)
+    # The caller's global generator is left alone (torchvision's initialisation drew from it).
+    assert torch.equal(torch.rand(3), want)
 
 
 def test_cross_check_rejects_unknown_modes():

@@ -123,8 +123,11 @@ def _classes(entries: list[Entry]) -> int:
 
 def _torchvision(arch: str, num_classes: int, dilate: tuple[bool, bool, bool]) -> torch.nn.Module:
     """torchvision's `arch`; with `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
-    model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000,
-                                              replace_stride_with_dilation=list(dilate))
+    # Its random initialisation (replaced by the weights checked) drew from the caller's global
+    # generator: a seeded script's later draws changed with whether it cross-checked first.
+    with torch.random.fork_rng(devices=[]):
+        model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000,
+                                                  replace_stride_with_dilation=list(dilate))
     if not num_classes:
         model.fc = torch.nn.Identity()
     return model
