@@ -1,4 +1,5 @@
 """jaxport.models against torchvision: structure, options and initialisation."""
+import copy
 import re
 
 import jax
@@ -292,3 +293,45 @@ def test_backbone_variables_given_to_a_classifier_are_named():
     with pytest.raises(ConfigError, match=named.format(7)):
         models.build_folded("resnet18", num_classes=7).apply(models.fold_batchnorm(backbone, "resnet18"), x)
     assert models.resnet18(num_classes=0).apply(backbone, x).shape == (1, 512)
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_a_batch_sharded_on_an_explicit_mesh_runs_like_torch(size):
+    """`jax.make_mesh`'s default mesh (Explicit axes since jax 0.9) with the batch split over
+    P("data"): the CPU lowering's reshapes and hand-written gradients raised ShardingTypeError
+    (small-map convs below ~112 px, the 1x1 convs' kernel gradient at any size). Eval logits and
+    train-mode gradients (BatchNorm over the whole, sharded, batch) must be torch's."""
+    from tests.helpers import reference
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices (JAX_NUM_CPU_DEVICES)")
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:4])
+    torch_model = copy.deepcopy(reference("resnet18"))  # shared: its train mode below changes it
+    variables = torch_compat.torch_to_flax(torch_model.state_dict())
+    x = np.random.default_rng(0).standard_normal((8, size, size, 3), dtype=np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    replicated = jax.device_put(variables, NamedSharding(mesh, P()))
+    model = models.resnet18(num_classes=10)
+
+    logits = jax.jit(model.apply)(replicated, xs)
+    assert jax.typeof(logits).sharding.spec[0] == "data"
+    with torch.no_grad():
+        want = torch_model.eval()(torch.from_numpy(x).permute(0, 3, 1, 2)).numpy()
+    np.testing.assert_allclose(np.asarray(logits), want, rtol=0, atol=1e-4 * np.abs(want).max())
+
+    def loss(params):
+        out, _ = model.apply({"params": params, "batch_stats": replicated["batch_stats"]}, xs, train=True,
+                             mutable=["batch_stats"])
+        return (out ** 2).mean()
+
+    grads = jax.jit(jax.grad(loss))(replicated["params"])
+    torch_model.train()
+    (torch_model(torch.from_numpy(x).permute(0, 3, 1, 2)) ** 2).mean().backward()
+    for name, got in (("conv1.weight", grads["conv1"]["kernel"].transpose(3, 2, 0, 1)),
+                      ("layer2.0.downsample.0.weight", grads["layer2"]["0"]["downsample"]["0"]["kernel"]
+                       .transpose(3, 2, 0, 1)),
+                      ("layer4.1.conv2.weight", grads["layer4"]["1"]["conv2"]["kernel"].transpose(3, 2, 0, 1)),
+                      ("fc.weight", grads["fc"]["kernel"].T)):
+        ref = dict(torch_model.named_parameters())[name].grad.numpy()
+        np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-4 * np.abs(ref).max(), err_msg=name)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import ConfigError
-from ._grads import use_custom_vjps
+from ._grads import explicitly_sharded, use_custom_vjps
 
 Dtype = Any
 
@@ -70,7 +70,8 @@ class BatchNorm(nn.Module):
             self._check_values_per_channel(x)
         stat_dtype = jnp.promote_types(jnp.promote_types(x.dtype, self.param_dtype), jnp.float32)
         xs = x.astype(stat_dtype)
-        if train and self.axis_name is None and use_custom_vjps(self.custom_vjps, "BatchNorm"):
+        if (train and self.axis_name is None and use_custom_vjps(self.custom_vjps, "BatchNorm")
+                and not explicitly_sharded(x)):  # Explicit sharding: autodiff, whose rules carry it
             # Per-device statistics: the hand-written VJP below (torch's backward formula,
             # two reductions and one pass) instead of autodiff through mean and variance,
             # which XLA:CPU ran as more passes: ~5% of ResNet-50's training step.

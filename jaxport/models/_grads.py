@@ -31,6 +31,19 @@ def on_xla_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def explicitly_sharded(x: jax.Array) -> bool:
+    """Whether `x`'s type carries a sharding over Explicit mesh axes: `jax.make_mesh`'s default
+    since jax 0.9, with `x` placed on such a mesh (e.g. the batch split over P("data")).
+
+    The CPU lowering's reshapes merge the sharded batch axis into others, and its hand-written
+    gradients contract over it, which Explicit sharding refuses (ShardingTypeError) unless each
+    names its output's sharding. The models then use lax.conv and jax's own rules, which carry
+    it. Auto meshes (jaxport's own training) and plain arrays type every axis as unsharded.
+    """
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
+    return any(axis is not None for axis in spec)
+
+
 def use_custom_vjps(flag: bool | None, owner: str = "ResNet") -> bool:
     """Resolve a model's `custom_vjps` attribute: None (the default) means on XLA:CPU only."""
     if flag is None:

@@ -21,8 +21,8 @@ import numpy as np
 from .._args import closest, is_int
 from .._errors import ConfigError
 from ._batchnorm import BatchNorm
-from ._grads import (conv1x1, conv1x1_primal, grouped_conv, max_pool, max_pool_primal, on_xla_cpu, small_map,
-                     small_map_conv, strided_conv, use_custom_vjps)
+from ._grads import (conv1x1, conv1x1_primal, explicitly_sharded, grouped_conv, max_pool, max_pool_primal,
+                     on_xla_cpu, small_map, small_map_conv, strided_conv, use_custom_vjps)
 
 Dtype = Any
 
@@ -113,7 +113,9 @@ class _ConvLeaf(nn.Module):
         )
         bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
-        if k > 1 and on_xla_cpu() and small_map(x.shape, k, self.stride, pad, self.dilation):
+        if explicitly_sharded(x):  # XLA's own convolution, whose sharding rules jax has
+            y = _lax_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
+        elif k > 1 and on_xla_cpu() and small_map(x.shape, k, self.stride, pad, self.dilation):
             y = small_map_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
         elif k == 1 and self.groups == 1 and on_xla_cpu():
             # A 1x1 conv is a matmul over channels of the strided input. XLA:CPU runs it about
@@ -127,16 +129,20 @@ class _ConvLeaf(nn.Module):
         elif self.groups > 1 and self.custom_vjps and on_xla_cpu():
             y = grouped_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
         else:
-            y = jax.lax.conv_general_dilated(
-                x,
-                kernel,
-                window_strides=(self.stride, self.stride),
-                padding=((pad, pad), (pad, pad)),
-                rhs_dilation=(self.dilation, self.dilation),
-                dimension_numbers=("NHWC", "HWIO", "NHWC"),
-                feature_group_count=self.groups,
-            )
+            y = _lax_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
         return y if bias is None else y + bias
+
+
+def _lax_conv(x, kernel, stride: int, pad: int, dilation: int, groups: int):
+    return jax.lax.conv_general_dilated(
+        x,
+        kernel,
+        window_strides=(stride, stride),
+        padding=((pad, pad), (pad, pad)),
+        rhs_dilation=(dilation, dilation),
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=groups,
+    )
 
 
 class _Block(nn.Module):
@@ -373,7 +379,8 @@ class ResNet(nn.Module):
         x = conv(64, 7, 2, name="conv1")(x)
         x = nn.relu(norm(name="bn1")(x, train))
         # torch's MaxPool2d pads with -inf, so padding never wins the max.
-        x = (max_pool if use_custom_vjps(self.custom_vjps) else max_pool_primal)(x, 3, 2, 1)
+        custom = use_custom_vjps(self.custom_vjps) and not explicitly_sharded(x)
+        x = (max_pool if custom else max_pool_primal)(x, 3, 2, 1)
         self.sow("intermediates", "stem", x)
 
         inplanes, dilation = 64, 1
