@@ -12,6 +12,7 @@ where that loader is built.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -21,6 +22,7 @@ import os
 import pickle
 import signal
 import warnings
+import weakref
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -48,11 +50,16 @@ def example_seed(seed: int, epoch: int, index: int) -> int:
 
 @dataclasses.dataclass
 class Split:
-    """One split: `load(indices, epoch) -> (images NHWC float32, labels int32)`."""
+    """One split: `load(indices, epoch) -> (images NHWC float32, labels int32)`.
+
+    `stream_fn(batches, epoch)`, if any, loads ahead (an ImageFolder's DataLoader workers);
+    `close_fn()`, if any, ends what it keeps between streams (those workers).
+    """
 
     num_examples: int
     load: Callable[[Sequence[int], int], tuple[np.ndarray, np.ndarray]]
     stream_fn: Callable | None = None
+    close_fn: Callable[[], None] | None = None
 
     def stream(self, batches: Iterator[Sequence[int]], epoch: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Loaded batches for the index lists in `batches` (loaded ahead by workers if any)."""
@@ -60,9 +67,18 @@ class Split:
             return self.stream_fn(batches, epoch)
         return (self.load(b, epoch) for b in batches)
 
+    def close(self) -> None:
+        """Stops the split's loader workers, which otherwise serve every stream until garbage
+        collection or the interpreter's exit. A later stream starts new ones."""
+        if self.close_fn is not None:
+            self.close_fn()
+
 
 @dataclasses.dataclass
 class Data:
+    """Both splits and the class names. Closing it (`close()`, or leaving a `with` block) stops
+    the splits' loader workers."""
+
     train: Split
     val: Split
     classes: list[str]
@@ -74,6 +90,18 @@ class Data:
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+    def close(self) -> None:
+        try:
+            self.train.close()
+        finally:
+            self.val.close()
+
+    def __enter__(self) -> Data:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------------- digits
@@ -539,32 +567,109 @@ def refuse_in_worker_start(call: str) -> None:
                           "or load in the main process with workers=0")
 
 
-def _torch_split(samples, transform, seed, workers) -> Split:
-    import torch.utils.data as tud
+class _Batches:
+    """A persistent loader's batch sampler: the keyed batches of the stream it serves now."""
 
-    dataset = _Folder(samples, transform, seed)
+    def __init__(self):
+        self.batches: list[list[tuple[int, int]]] = []
 
-    def load(indices, epoch):
-        # A one-batch DataLoader per call would respawn workers; instead callers use `stream`.
-        batch = _collate([dataset[(epoch, int(i))] for i in indices])
-        if isinstance(batch, _Undecodable):
-            raise batch.error()
-        return batch
+    def __iter__(self):
+        return iter(self.batches)
 
-    def stream(batches: Iterator[Sequence[int]], epoch: int):
-        loader = tud.DataLoader(dataset, batch_sampler=[[(epoch, int(i)) for i in b] for b in batches],
-                                num_workers=workers, collate_fn=_collate,
-                                worker_init_fn=_worker_init_fn() if workers else None,
-                                prefetch_factor=4 if workers else None,
-                                # jax runs threads: fork could deadlock, so workers are spawned.
-                                multiprocessing_context="spawn" if workers else None)
-        with _signals_blocked(workers):
-            it = iter(loader)  # starts the workers
+    def __len__(self):
+        return len(self.batches)
+
+
+# The loaders with live workers, which `_close_at_exit` shuts down.
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@functools.cache
+def _register_close_at_exit() -> None:
+    atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    """Shuts down the workers of loaders nobody closed, as the interpreter exits: torch leaves
+    them to multiprocessing then, which sends them the SIGTERM they ignore (`_init_worker`) and
+    joins them, without end. Registered after torch (atexit runs the last registered first), so
+    this runs while torch can still shut them down."""
+    for loader in list(_OPEN):
+        loader.close()
+
+
+class _Loader:
+    """One split's DataLoader, whose worker processes, spawned by its first stream, serve every
+    later stream of the split (each epoch's training, or each evaluation) until `close()`.
+
+    Spawning the workers took ~4 s on 2 cores (each imports torch, torchvision and PIL): a
+    loader per stream paid it twice an epoch. Streams take the workers in turn; one started
+    while another is open (not yet exhausted or closed) gets a loader of its own, shut down when
+    it ends. Without workers, each stream loads in this process, as it always did.
+    """
+
+    def __init__(self, dataset: _Folder, workers: int):
+        self.dataset, self.workers = dataset, workers
+        self.sampler = _Batches()
+        self.loader = None  # the persistent DataLoader, from the first stream to `close()`
+        self.iterator = None  # its iterator, which holds the workers
+        self.busy = False  # a stream is reading the workers' batches
+
+    def _data_loader(self, batch_sampler, persistent: bool):
+        import torch.utils.data as tud
+
+        return tud.DataLoader(self.dataset, batch_sampler=batch_sampler, num_workers=self.workers,
+                              collate_fn=_collate, worker_init_fn=_worker_init_fn() if self.workers else None,
+                              prefetch_factor=4 if self.workers else None, persistent_workers=persistent,
+                              # jax runs threads: fork could deadlock, so workers are spawned.
+                              multiprocessing_context="spawn" if self.workers else None)
+
+    def stream(self, batches: list[list[tuple[int, int]]]) -> Iterator:
+        """The collated `batches` of `(epoch, index)` keys, in order."""
+        if not self.workers or self.busy:
+            yield from self._own_loader(batches)
+            return
+        self.busy = True
         try:
-            for batch in it:
-                if isinstance(batch, _Undecodable):
-                    raise batch.error()
+            try:
+                self.sampler.batches = batches  # read by iter() below
+                if self.loader is None:
+                    self.loader = self._data_loader(self.sampler, persistent=True)
+                    _register_close_at_exit()  # after torch's handlers (imported by now): runs before them
+                    _OPEN.add(self)
+                    with _signals_blocked(self.workers):
+                        self.iterator = iter(self.loader)  # starts the workers
+                else:
+                    # Later streams: the same workers, told to start over. Batches a stream closed
+                    # mid-epoch left queued are loaded, and dropped, first.
+                    iter(self.loader)
+            except BaseException:
+                self.close()
+                raise
+            iterator = self.iterator
+            while True:
+                if self.iterator is not iterator:
+                    raise RuntimeError("the split's loader was closed while a stream was reading it; "
+                                       "start a new stream")
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    return
+                except BaseException:
+                    # Torch's iterator failed mid-fetch (a worker gone, a second Ctrl-C): it is
+                    # never started over; the next stream spawns new workers.
+                    self.close()
+                    raise
                 yield batch
+        finally:
+            self.busy = False
+
+    def _own_loader(self, batches):
+        loader = self._data_loader(batches, persistent=False)
+        with _signals_blocked(self.workers):
+            it = iter(loader)  # starts the workers, if any
+        try:
+            yield from it
         finally:
             # Now, not when garbage collection finds the iterator: at exit, torch leaves its
             # workers to multiprocessing, whose SIGTERM they ignore (`_init_worker`),
@@ -573,7 +678,34 @@ def _torch_split(samples, transform, seed, workers) -> Split:
             if shutdown is not None:
                 shutdown()
 
-    return Split(len(samples), load, stream)
+    def close(self) -> None:
+        """Shuts the workers down now (joined: no process is left), if they were started."""
+        iterator, self.iterator, self.loader = self.iterator, None, None
+        _OPEN.discard(self)
+        if iterator is not None:
+            iterator._shutdown_workers()
+
+
+def _torch_split(samples, transform, seed, workers) -> Split:
+    dataset = _Folder(samples, transform, seed)
+    loader = _Loader(dataset, workers)
+
+    def load(indices, epoch):
+        # A one-batch DataLoader per call would start a stream per batch; instead callers use `stream`.
+        batch = _collate([dataset[(epoch, int(i))] for i in indices])
+        if isinstance(batch, _Undecodable):
+            raise batch.error()
+        return batch
+
+    def stream(batches: Iterator[Sequence[int]], epoch: int):
+        # closing(): closed mid-epoch (or failing), this stream hands the workers back at once.
+        with contextlib.closing(loader.stream([[(epoch, int(i)) for i in b] for b in batches])) as loaded:
+            for batch in loaded:
+                if isinstance(batch, _Undecodable):
+                    raise batch.error()
+                yield batch
+
+    return Split(len(samples), load, stream, loader.close)
 
 
 # Folder names that mean a split, not a class (any case).
