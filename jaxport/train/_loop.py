@@ -567,7 +567,8 @@ def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict
     padded = [np.concatenate([c, np.zeros(batch - len(c), int)]) for c in chunks]
     masks = [np.arange(batch) < len(c) for c in chunks]
     local = [pc[p * share:(p + 1) * share] for pc in padded]
-    # closing(): an error here must shut the loader's workers down now (see `_data._torch_split`).
+    # closing(): an error here ends the stream now, handing the split's loader workers back to
+    # the next evaluation (see `_data._Loader`).
     with contextlib.closing(split.stream(iter(local), 0)) as batches:
         for (x, y), m in zip(batches, masks):
             out = evaluate(variables, *shard_batch(mesh, x, y, m[p * share:(p + 1) * share].astype(np.float32)))
@@ -956,7 +957,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     if pending:
                         flush()
                 finally:
-                    loader.close()  # its workers stop now, error or not (see `_data._torch_split`)
+                    loader.close()  # ends the stream now, error or not; its workers serve on (`_data._Loader`)
                 elapsed = time.perf_counter() - t0
                 if bar is not None:
                     bar.close()
@@ -996,7 +997,12 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     finally:
         # On every exit: left open, orbax's threads and event loop outlive the error and print
         # asyncio tracebacks ("Event loop is closed") as the interpreter shuts down.
-        mngr.close()
+        try:
+            mngr.close()
+        finally:
+            # The loader workers, which served every epoch and evaluation, stop now, whatever
+            # ended the run: left to the interpreter's exit, they could hang it (`_data._Loader`).
+            data.close()
     try:
         if lead:  # before the plot: the weights matter more
             _save_final(state, cfg, gstep)
