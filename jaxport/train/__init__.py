@@ -8,7 +8,7 @@ loading, orbax checkpoints with exact resume, metrics and plots; `jaxport train`
 The names below are loaded on first use (PEP 562): a DataLoader worker unpickles its dataset
 from `jaxport.train._data`, which needs numpy and torch only, and importing this package's
 step, checkpoints and loop (jax, flax, optax, orbax) made every spawned worker take ~1.5 s and
-~200 MB more at the start of each epoch's loading.
+~200 MB more as it started (once per split and run).
 """
 from __future__ import annotations
 

@@ -521,7 +521,7 @@ def _signals_blocked(workers: int):
     """SIGINT and SIGTERM blocked in this thread while it spawns `workers`, which inherit the mask.
 
     `_init_worker` ignores them only once a worker has imported torch and torchvision, seconds
-    after it starts: a Ctrl-C in between (at each epoch's start, or an evaluation's) printed
+    after it starts: a Ctrl-C in between (as the first epoch or evaluation starts) printed
     every worker's KeyboardInterrupt traceback, and failed the loader. Blocked in this thread
     only, a signal still reaches the trainer through its other threads, or on unblocking.
     """
