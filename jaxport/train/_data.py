@@ -691,7 +691,7 @@ def _torch_split(samples, transform, seed, workers) -> Split:
     loader = _Loader(dataset, workers)
 
     def load(indices, epoch):
-        # A one-batch DataLoader per call would start a stream per batch; instead callers use `stream`.
+        # A one-batch DataLoader per call would respawn workers; instead callers use `stream`.
         batch = _collate([dataset[(epoch, int(i))] for i in indices])
         if isinstance(batch, _Undecodable):
             raise batch.error()
