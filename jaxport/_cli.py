@@ -168,7 +168,14 @@ def _port_source(out: Path) -> str | None:
 def _is_port_of(source: str, ckpt: Path) -> bool:
     # A file that records no source ('') is not a port: `jaxport train`'s variables and files
     # written by `jaxport.save_variables` record none, and were replaced without --force.
-    return bool(source) and (source == str(ckpt.resolve()) or (os.sep not in source and source == ckpt.name))
+    return bool(source) and (source == _header_text(ckpt.resolve())
+                             or (os.sep not in source and source == _header_text(ckpt.name)))
+
+
+def _header_text(path: str | os.PathLike) -> str:
+    """A path as the safetensors header (JSON, UTF-8) can hold it: bytes of a name that are not
+    UTF-8 (os.fsdecode's surrogates, which failed the write) as backslash escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def _refuse_overwrite(out: Path, force: bool, unless: str) -> None:
@@ -263,7 +270,7 @@ def _cmd_port(args) -> int:
               f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
         step("saving")
         save_variables(out, variables, arch=detected,
-                       metadata={"source": ckpt.name, "source_path": str(ckpt.resolve())})
+                       metadata={"source": _header_text(ckpt.name), "source_path": _header_text(ckpt.resolve())})
         print(f"wrote: {out} ({_human(out.stat().st_size)}; loaded + converted in {t1 - t0:.2f} s)")
         ok = True
         if args.verify:
@@ -599,10 +606,29 @@ class _ClosedPipeSafe:
 
     def write(self, text: str) -> int:
         try:
-            return self._stream.write(text)
+            try:
+                return self._stream.write(text)
+            except UnicodeEncodeError:
+                return self._write_bytes(text)
         except BrokenPipeError:
             self._discard()
             return len(text)
+
+    def _write_bytes(self, text: str) -> int:
+        """A path whose name is not UTF-8 (os.fsdecode's surrogates) failed a strict stream: it
+        goes out as its own bytes, as `ls` prints it, so a printed command runs as shown."""
+        encoding = getattr(self._stream, "encoding", None) or "utf-8"
+        try:
+            data = text.encode(encoding, "surrogateescape")
+        except UnicodeEncodeError:  # a character the stream's encoding has no bytes for
+            data = text.encode(encoding, "backslashreplace")
+        buffer = getattr(self._stream, "buffer", None)
+        if buffer is None:
+            return self._stream.write(data.decode(encoding, "replace"))
+        self._stream.flush()
+        buffer.write(data)
+        buffer.flush()
+        return len(text)
 
     def flush(self) -> None:
         try:

@@ -81,6 +81,28 @@ def test_port_verify_export_round_trip(tmp_path, resnet18_checkpoint):
     assert again.read_bytes() == pt.read_bytes()
 
 
+def test_a_checkpoint_under_a_path_that_is_not_utf8_ports(tmp_path, resnet18_checkpoint):
+    """A Latin-1 directory name: torch's memory-mapped reader takes paths as UTF-8, and the
+    failure was reported as a corrupt checkpoint; then the header could not hold the path, and
+    a strict UTF-8 stdout could not print it."""
+    folder = tmp_path / os.fsdecode(b"caf\xe9")
+    folder.mkdir()
+    ckpt = folder / "r18.pth"
+    shutil.copy(resnet18_checkpoint, ckpt)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONIOENCODING": "utf-8:strict"}
+    for _ in range(2):  # the second run replaces its own port: it knows the source it recorded
+        proc = subprocess.run([sys.executable, "-m", "jaxport", "port", str(ckpt)], capture_output=True,
+                              cwd=tmp_path, env=env, timeout=600)
+        assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    # The printed next step names the directory with its own bytes: it runs as shown.
+    assert b"next: jaxport verify '" + os.fsencode(ckpt) + b"' r18.safetensors" in proc.stdout, proc.stdout
+    port = tmp_path / "r18.safetensors"
+    assert jaxport.read_metadata(port)["source_path"] == str(ckpt.resolve()).replace("\udce9", "\\xe9")
+    proc = subprocess.run([sys.executable, "-m", "jaxport", "verify", str(ckpt), str(port), "--mode", "eval"],
+                          capture_output=True, cwd=tmp_path, env=env, timeout=600)
+    assert proc.returncode == 0 and b"verify: PASS" in proc.stdout, proc.stderr.decode(errors="replace")
+
+
 def test_the_embedded_default_checkpoint_is_the_same_file_in_every_cache(tmp_path):
     """The README's main job starts from it: its bytes must not depend on the cache, nor on the
     random temporary name it was written under (torch named the archive's folder after it)."""

@@ -414,6 +414,14 @@ _DCP_FIX = ("gather {it} into one with torch.distributed.checkpoint.format_utils
             "'model.pt') and pass that file")
 
 
+def _utf8(path: str) -> bool:
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:  # os.fsdecode's surrogates for bytes that are not UTF-8
+        return False
+    return True
+
+
 def _is_dcp_directory(listing: list[str]) -> bool:
     return ".metadata" in listing and any(name.endswith(".distcp") for name in listing)
 
@@ -773,6 +781,11 @@ def _unpickle(shown: str, kind: str, *, trusted: bool, mmap: bool) -> Any:
                 if shown.endswith(".safetensors"):
                     # torch.load hands any path named *.safetensors to safetensors, whatever it
                     # holds; the first bytes said torch.save, so give it the open file instead.
+                    source, mmap = stack.enter_context(open(shown, "rb")), False
+                elif mmap and not _utf8(shown):
+                    # torch's C++ reader takes the path as UTF-8: a name of other bytes (a Latin-1
+                    # directory) failed "UnicodeEncodeError", reported as a corrupt file. Read
+                    # from an open file instead, which cannot be memory-mapped.
                     source, mmap = stack.enter_context(open(shown, "rb")), False
                 if trusted:
                     obj = torch.load(source, map_location="cpu", weights_only=False, mmap=mmap)
