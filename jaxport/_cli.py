@@ -400,7 +400,7 @@ def _cmd_export(args) -> int:
     import torch
     import torch_compat
 
-    from ._io import atomic_path, load_variables, read_metadata
+    from ._io import atomic_path, load_variables, open_for_writer, read_metadata, safetensors_os_errors
 
     src, out = Path(args.variables), _out_path(args.out)
     _check_output(out, src, "variables file" if not src.is_dir() else "training workdir")
@@ -429,13 +429,14 @@ def _cmd_export(args) -> int:
         if out.suffix.lower() == ".safetensors":  # the name says safetensors (any case): no pickle inside it
             import safetensors.torch
 
-            safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp),
-                                        metadata={"format": "pt"})
+            with safetensors_os_errors(out):
+                safetensors.torch.save_file({k: v.contiguous() for k, v in state_dict.items()}, str(tmp),
+                                            metadata={"format": "pt"})
             load = "safetensors.torch.load_file(path)"
         else:
             # To a file object: torch names the archive's folder after a path it is given, here the
             # random temporary one, so two exports of the same weights differed.
-            with open(tmp, "wb") as f:
+            with open_for_writer(tmp, out) as f:
                 torch.save(state_dict, f)
             load = "torch.load(path)"
     num_classes = torch_compat.num_classes_of(state_dict)

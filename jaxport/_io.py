@@ -352,9 +352,59 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
     meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
     # the data plus a generous bound on the JSON header (~100 bytes per tensor)
     with atomic_path(path, nbytes=sum(a.nbytes for a in flat.values()) + 100 * len(flat) + 4096) as tmp:
-        safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
+        with safetensors_os_errors(path):
+            safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
         _sort_metadata(tmp)
     return path
+
+
+class _Writes:
+    """A file whose write errors are kept: a C++ writer (torch.save's zip) turns them into a
+    RuntimeError ("unexpected pos 704 vs 598") that no longer says what failed."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextlib.contextmanager
+def open_for_writer(tmp: str | os.PathLike, path: str | os.PathLike) -> Iterator[_Writes]:
+    """`tmp` opened for a writer that takes a file object (`torch.save`); a write that failed
+    there (a full disk, a quota, a file-size limit) is raised as its OSError, naming `path`."""
+    with open(tmp, "wb") as f:
+        writes = _Writes(f)
+        try:
+            yield writes
+        except Exception as e:
+            if writes.error is None or isinstance(e, OSError):
+                raise
+            raise OSError(writes.error.errno, writes.error.strerror, str(path)) from e
+
+
+@contextlib.contextmanager
+def safetensors_os_errors(path: str | os.PathLike) -> Iterator[None]:
+    """safetensors' failed writes as the OSError they are, naming `path`.
+
+    Its Rust writer raises `SafetensorError("... I/O error: File too large (os error 27)")`
+    for a disk that fills while it writes, a quota or a file-size limit: the CLI called that
+    an internal error, and callers catching OSError (as the docstrings promise) missed it.
+    """
+    try:
+        yield
+    except safetensors.SafetensorError as e:
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
 def _sort_metadata(path: Path) -> None:

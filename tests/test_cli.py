@@ -103,6 +103,32 @@ def test_a_checkpoint_under_a_path_that_is_not_utf8_ports(tmp_path, resnet18_che
     assert proc.returncode == 0 and b"verify: PASS" in proc.stdout, proc.stderr.decode(errors="replace")
 
 
+def test_a_write_past_the_file_size_limit_is_one_clear_error(tmp_path, resnet18_checkpoint):
+    """A full disk, a quota or a file-size limit hit inside safetensors' or torch's writer: an
+    "internal error (SafetensorError: ... os error 27)" or a RuntimeError "unexpected pos 704 vs
+    598", which named neither the cause nor the file. Each is now the OSError, and nothing is
+    left behind."""
+    import resource
+
+    def limited():  # 4 MB: the resnet18 files are ~45 MB
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    port = tmp_path / "ported.safetensors"
+    assert main(["port", str(resnet18_checkpoint), "--out", str(port)]) == 0
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAXPORT_CACHE": str(out / "cache")}
+    for args, target in ((["port", str(resnet18_checkpoint), "--out", str(out / "a.safetensors")], "a.safetensors"),
+                         (["export", str(port), "--out", str(out / "b.pt")], "b.pt"),
+                         (["export", str(port), "--out", str(out / "c.safetensors")], "c.safetensors"),
+                         (["port", "--out", str(out / "d.safetensors")], "resnet50_dataparallel_cuda.pth.tar")):
+        proc = subprocess.run([sys.executable, "-m", "jaxport", *args], capture_output=True, text=True, env=env,
+                              preexec_fn=limited, timeout=600)
+        assert proc.returncode != 0, (args, proc.stderr)
+        _assert_one_line_error(proc, "File too large", target)
+    assert [p.name for p in out.rglob("*") if p.is_file()] == []
+
+
 def test_the_embedded_default_checkpoint_is_the_same_file_in_every_cache(tmp_path):
     """The README's main job starts from it: its bytes must not depend on the cache, nor on the
     random temporary name it was written under (torch named the archive's folder after it)."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from jaxport._errors import CheckpointError
-from jaxport._io import atomic_path
+from jaxport._io import atomic_path, open_for_writer
 
 from ._cuda_tag import saving_as_cuda
 from ._reference import reference_model
@@ -52,7 +52,7 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
             checkpoint = _training_script_dict()
             # To a file object: torch names the archive's folder after a path it is given (the
             # random temporary one), and the same checkpoint differed from one cache to another.
-            with saving_as_cuda("cuda:0"), open(tmp, "wb") as f:
+            with saving_as_cuda("cuda:0"), open_for_writer(tmp, path) as f:
                 torch.save(checkpoint, f)
     except OSError as e:
         # It was "No such file or directory: '/x/resnet50_...'", naming neither the cache nor the
