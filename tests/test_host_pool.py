@@ -13,9 +13,7 @@ import textwrap
 import threading
 import time
 
-import numpy as np
 import pytest
-import torch
 import torchvision
 
 import torch_compat
@@ -54,9 +52,64 @@ def test_finish_cancels_what_has_not_started_and_waits_for_what_runs():
     running.set_running_or_notify_cancel()
     threading.Timer(0.2, running.set_result, (1,)).start()
     queued = concurrent.futures.Future()
-    with pytest.raises(ZeroDivisionError):
-        _cpus.finish([failed, running, queued])
-    assert queued.cancelled() and running.done() and not running.cancelled()
+    raised = []
+
+    def wait():  # in a thread: a `finish` that forgot the queued future would wait forever
+        try:
+            _cpus.finish([failed, running, queued])
+        except ZeroDivisionError as e:
+            raised.append(e)
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "finish waited for a future that never started"
+    assert raised and queued.cancelled() and running.done() and not running.cancelled()
+
+
+def test_finish_absorbs_a_second_ctrl_c_while_it_waits():
+    """The first error (or Ctrl-C) is re-raised only once the running chunks stopped; a Ctrl-C
+    in that wait must not cut it short, or they write into a buffer XLA frees. In a process of
+    its own: the signal must not reach pytest."""
+    r = _run("""
+        import concurrent.futures, os, signal, threading
+        from jaxport import _cpus
+        failed = concurrent.futures.Future()
+        failed.set_exception(ZeroDivisionError())
+        running = concurrent.futures.Future()
+        running.set_running_or_notify_cancel()
+        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
+        threading.Timer(1.0, running.set_result, (1,)).start()
+        try:
+            _cpus.finish([failed, running])
+        except ZeroDivisionError:
+            print("raised the first error, after the wait:", running.done())
+    """, timeout=120)
+    assert r.returncode == 0 and "raised the first error, after the wait: True" in r.stdout, r.stderr[-3000:]
+
+
+def test_an_interrupted_conversion_cancels_the_copies_not_yet_started(monkeypatch):
+    """torch_to_flax's copies run on the pool: a Ctrl-C while it waits for them must cancel the
+    queued ones, not leave them converting for nobody."""
+    from torch_compat import _convert
+
+    class Interrupting(concurrent.futures.Future):
+        def result(self, timeout=None):
+            raise KeyboardInterrupt
+
+    class Pool:
+        def __init__(self):
+            self.futures = []
+
+        def submit(self, fn, *args):
+            self.futures.append(Interrupting())
+            return self.futures[-1]
+
+    pool = Pool()
+    monkeypatch.setattr(_convert, "host_pool", lambda: pool)
+    with pytest.raises(KeyboardInterrupt):
+        torch_compat.torch_to_flax(torchvision.models.resnet18(num_classes=10).state_dict())
+    assert len(pool.futures) > 1 and all(f.cancelled() for f in pool.futures)
 
 
 def test_ctrl_c_during_an_eager_rank_leaves_a_working_process():
@@ -118,17 +171,26 @@ def test_a_forked_child_converts_with_its_own_pool():
 
 def test_a_conversion_asked_for_on_the_pool_runs_inline():
     # Every pool thread converting at once, each waiting for copies queued behind the others,
-    # never finished before the fix.
-    sd = torchvision.models.resnet18(num_classes=10).state_dict()
-    want = torch_compat.torch_to_flax(sd)
-    futures = [_cpus.host_pool().submit(torch_compat.torch_to_flax, sd) for _ in range(_cpus.usable_cpus())]
-    for f in futures:
-        got = f.result(timeout=60)
-        assert np.array_equal(got["params"]["fc"]["kernel"], want["params"]["fc"]["kernel"])
-        assert np.array_equal(got["params"]["layer4"]["1"]["conv2"]["kernel"],
-                              want["params"]["layer4"]["1"]["conv2"]["kernel"])
-    key = np.random.default_rng(0).integers(0, 2**32, (4, 1 << 16), dtype=np.uint64).astype(np.uint32)
-    futures = [_cpus.host_pool().submit(_host.rank_rows, key) for _ in range(_cpus.usable_cpus())]
-    want_rank = np.argsort(np.argsort(key, kind="stable"), kind="stable")
-    assert all(np.array_equal(f.result(timeout=60), want_rank) for f in futures)
-    assert torch.equal(torch.as_tensor(want["params"]["fc"]["bias"]), sd["fc.bias"])
+    # never finished before the fix. In a process of its own: deadlocked pool threads would
+    # keep pytest from exiting.
+    r = _run("""
+        import numpy as np, torch, torchvision, torch_compat
+        from jaxport import _cpus
+        from jaxport.ops import _host
+        sd = torchvision.models.resnet18(num_classes=10).state_dict()
+        want = torch_compat.torch_to_flax(sd)
+        futures = [_cpus.host_pool().submit(torch_compat.torch_to_flax, sd) for _ in range(_cpus.usable_cpus())]
+        for f in futures:
+            got = f.result(timeout=60)
+            assert np.array_equal(got["params"]["fc"]["kernel"], want["params"]["fc"]["kernel"])
+            assert np.array_equal(got["params"]["layer4"]["1"]["conv2"]["kernel"],
+                                  want["params"]["layer4"]["1"]["conv2"]["kernel"])
+        key = np.random.default_rng(0).integers(0, 2**32, (4, 1 << 16), dtype=np.uint64).astype(np.uint32)
+        futures = [_cpus.host_pool().submit(_host.rank_rows, key) for _ in range(_cpus.usable_cpus())]
+        want_rank = np.argsort(np.argsort(key, kind="stable"), kind="stable")
+        assert all(np.array_equal(f.result(timeout=60), want_rank) for f in futures)
+        assert torch.equal(torch.as_tensor(want["params"]["fc"]["bias"]), sd["fc.bias"])
+        print("inline: ok", flush=True)
+        import os; os._exit(0)  # a deadlocked pool thread would hang the interpreter's exit
+    """, timeout=300)
+    assert r.returncode == 0 and "inline: ok" in r.stdout, r.stderr[-3000:]
