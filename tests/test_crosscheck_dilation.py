@@ -133,6 +133,7 @@ def test_a_corrupted_weight_fails_the_dilated_check(deeplab):
 @pytest.mark.parametrize("value, got", [
     ((True,), "got 1 element(s)"),
     ((), "got 0 element(s)"),
+    ((False, True, True, True), "got 4 element(s)"),
     ("FTT", "got str"),
     (("False", True, True), "got the item 'False', not a bool"),  # torchvision would dilate layer2
     ((2, 0, 0), "got the item 2, not a bool"),
@@ -226,6 +227,41 @@ def test_verify_checks_a_segmentation_backbone_dilated_unless_told_otherwise(dee
     assert main(common[:-1] + ["32"]) == 0
     assert ("note: at --image-size 32 layer4's maps are 4x4 and its 3x3 kernels dilated by 4, so the outer taps "
             "of its 3x3 kernels never reach the output") in capsys.readouterr().out
+
+
+def test_backbone_only_keeps_the_dilation_of_the_segmentation_model(deeplab, capsys):
+    """The dilation is detected on the selected weights before --backbone-only copies them
+    without the segmentation head that shows it."""
+    assert main(["verify", str(deeplab[0]), "--prefix", "backbone", "--backbone-only", "--mode", "eval",
+                 "--image-size", str(SIZE)]) == 0
+    out = capsys.readouterr().out
+    assert "note: cross-checking them dilated, replace_stride_with_dilation=(False, True, True)" in out, out
+    assert "resnet50 eval mode (replace_stride_with_dilation=(False, True, True)" in out, out
+
+
+def test_a_basic_block_backbone_beside_a_conv_head_is_checked_undilated(tmp_path, capsys):
+    """torchvision builds no BasicBlock backbone dilated (only ResNet-50/101 segmentation
+    models): a ResNet-18 backbone beside a conv head gets neither the note nor the dilation."""
+    sd = reference("resnet18").state_dict()
+    path = tmp_path / "seg18.pth"
+    torch.save({**{f"backbone.{k}": v for k, v in sd.items() if not k.startswith("fc.")},
+                "classifier.0.weight": torch.zeros(2, 512, 3, 3)}, path)
+    assert segmentation_dilation(torch_compat.load_state_dict(path, prefix="backbone")) is None
+    assert main(["verify", str(path), "--prefix", "backbone", "--mode", "eval", "--image-size", str(SIZE)]) == 0
+    out = capsys.readouterr().out
+    assert "note: the weights" not in out and "dilat" not in out and "verify: PASS" in out, out
+
+
+def test_train_mode_is_refused_by_the_dilated_layer4_side_only():
+    """At 32 px and batch 1 an undilated layer4 is 1x1, one value per channel (torch refuses
+    train mode there); dilated (False, True, True) it is 4x4, and the check runs."""
+    sd = torch_compat.reference_model("resnet50", num_classes=3, image_size=32, calibration_batches=1,
+                                      replace_stride_with_dilation=SEG).state_dict()
+    with pytest.raises(ConfigError, match="one value per channel, which torch refuses"):
+        torch_compat.cross_check(sd, modes=("train",), batch_size=1, image_size=32)
+    (report,) = torch_compat.cross_check(sd, modes=("train",), batch_size=1, image_size=32,
+                                         replace_stride_with_dilation=SEG)
+    assert report.ok, report.table()
 
 
 def test_port_verify_checks_dilated_and_dilation_without_verify_is_refused(deeplab, tmp_path, capsys):

@@ -65,6 +65,8 @@ def test_every_public_name_of_jaxport_train_resolves():
     from jaxport.train import TrainConfig, train
 
     assert callable(train) and TrainConfig is jaxport.train._loop.TrainConfig
+    # Kept in the package once resolved: later lookups do not go through __getattr__ again.
+    assert vars(jaxport.train)["TrainConfig"] is TrainConfig
     assert sorted(dir(jaxport.train)) == sorted(jaxport.train.__all__)
     try:
         jaxport.train.no_such_name

@@ -329,21 +329,28 @@ def test_a_class_named_train_is_a_class(tmp_path):
         _data.image_folder(str(tmp_path), workers=0)
 
 
-def test_a_script_without_a_main_guard_is_told_so(tmp_path):
+@pytest.mark.parametrize("call", ["train", "image_folder"])
+def test_a_script_without_a_main_guard_is_told_so(tmp_path, call):
     """DataLoader workers are spawned and run the calling script again: one that trains at its top
     level trained again in every worker, which failed on the workdir's lock, and the parent said
-    only that a worker exited unexpectedly."""
+    only that a worker exited unexpectedly. A script that only loads the images is told too."""
     for c in ("a", "b"):
         write_images(tmp_path / "data" / c, 10)
     script = tmp_path / "noguard.py"
-    script.write_text(
-        "from jaxport.train import TrainConfig, train\n"
-        f"train(TrainConfig(workdir={str(tmp_path / 'w')!r}, data={str(tmp_path / 'data')!r}, epochs=1, "
-        "image_size=16, batch_size=4, workers=1, max_steps=1, progress=False))\n")
+    if call == "train":
+        script.write_text(
+            "from jaxport.train import TrainConfig, train\n"
+            f"train(TrainConfig(workdir={str(tmp_path / 'w')!r}, data={str(tmp_path / 'data')!r}, epochs=1, "
+            "image_size=16, batch_size=4, workers=1, max_steps=1, progress=False))\n")
+    else:
+        script.write_text(
+            "from jaxport.train import image_folder\n"
+            f"data = image_folder({str(tmp_path / 'data')!r}, image_size=16, workers=1)\n"
+            "print(next(iter(data.train.stream(iter([[0, 1]]), 0)))[0].shape)\n")
     env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="1")
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                           cwd=tmp_path, timeout=600)
     assert proc.returncode != 0
     assert 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
-    assert "jaxport.train.train() ran while a data-loading worker process started" in proc.stderr
+    assert f"jaxport.train.{call}() ran while a data-loading worker process started" in proc.stderr
     assert "in use by another" not in proc.stderr
