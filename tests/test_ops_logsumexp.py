@@ -263,3 +263,30 @@ def test_half_precision_sums_in_float32(dtype):
     got = logsumexp(jnp.asarray(x))
     assert got.dtype == jnp.dtype(np_dtype(dtype))
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=TOL[dtype], atol=0)
+
+
+def test_eager_calls_of_the_one_pass_compile_once_per_shape():
+    """The one pass's `lax.cond` took new branch lambdas on every call: each eager logsumexp
+    of 32,768 elements or more (a (256, 1000) logits batch), and each eager gradient of it,
+    compiled again (~50-80 ms) and kept the executable (~1.7 MB a call)."""
+    compiles = []
+
+    def count(event, _duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    x = np.random.default_rng(0).standard_normal((64, 1024)).astype(np.float32)  # both paths (`path`)
+    want = torch.logsumexp(torch.from_numpy(x), -1).numpy()
+    grad = jax.grad(lambda v: logsumexp(v, axis=-1).sum())
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for name, call in {"forward": lambda: logsumexp(x, axis=-1), "gradient": lambda: grad(x)}.items():
+            first = np.asarray(call())  # compiles what it needs
+            before = len(compiles)
+            for _ in range(3):
+                np.testing.assert_array_equal(np.asarray(call()), first)
+            assert len(compiles) == before, f"{name}: {len(compiles) - before} compiles in 3 calls of one shape"
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    np.testing.assert_allclose(np.asarray(logsumexp(x, axis=-1)), want, rtol=1e-6)
+    np.testing.assert_allclose(first, torch.softmax(torch.from_numpy(x), -1).numpy(), rtol=1e-5, atol=1e-7)
