@@ -1,5 +1,6 @@
 """jaxport.models against torchvision: structure, options and initialisation."""
 import copy
+import functools
 import re
 
 import jax
@@ -335,3 +336,20 @@ def test_a_batch_sharded_on_an_explicit_mesh_runs_like_torch(size):
                       ("fc.weight", grads["fc"]["kernel"].T)):
         ref = dict(torch_model.named_parameters())[name].grad.numpy()
         np.testing.assert_allclose(np.asarray(got), ref, rtol=0, atol=1e-4 * np.abs(ref).max(), err_msg=name)
+
+
+def test_a_model_built_with_torchvisions_lists_is_hashable():
+    """torchvision takes lists (`replace_stride_with_dilation=[False, True, True]`, `layers=[...]`):
+    the Module then failed to hash, and could not be a jit static argument."""
+    listed = models.resnet50(num_classes=0, replace_stride_with_dilation=[False, True, True])
+    assert listed == models.resnet50(num_classes=0, replace_stride_with_dilation=(False, True, True))
+    custom = models.ResNet(block="basic", layers=[1, 1, 1, 1], num_classes=3)
+    assert hash(listed) == hash(listed.clone()) and custom.layers == (1, 1, 1, 1)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def logits(model, x):
+        return model.apply(model.init(jax.random.key(0), x), x)
+
+    x = jnp.ones((1, 32, 32, 3))
+    np.testing.assert_array_equal(np.asarray(logits(custom, x)),
+                                  np.asarray(logits(models.ResNet(block="basic", layers=(1, 1, 1, 1), num_classes=3), x)))

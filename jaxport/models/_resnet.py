@@ -267,6 +267,15 @@ class ResNet(nn.Module):
     # BatchNorms are folded into its convs).
     _uses_batch_stats: ClassVar[bool] = True
 
+    def __post_init__(self):
+        # torchvision takes lists (`replace_stride_with_dilation=[False, True, True]`): a Module
+        # holding one cannot be hashed ("Failed to hash Flax Module"), which a jit static
+        # argument needs. Kept as tuples; the values are checked where they are used.
+        for name in ("layers", "replace_stride_with_dilation"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        super().__post_init__()
+
     @nn.compact
     def __call__(self, x, train: bool = False):
         if x.ndim != 4:
