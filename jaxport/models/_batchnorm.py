@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._errors import ConfigError
+from .._vma import vary_like
 from ._grads import explicitly_sharded, use_custom_vjps
 
 Dtype = Any
@@ -75,7 +76,9 @@ class BatchNorm(nn.Module):
             # Per-device statistics: the hand-written VJP below (torch's backward formula,
             # two reductions and one pass) instead of autodiff through mean and variance,
             # which XLA:CPU ran as more passes: ~5% of ResNet-50's training step.
-            y, mean, var = _train_norm(xs, scale.astype(stat_dtype), bias.astype(stat_dtype), self.epsilon)
+            # vary_like: inside shard_map (check_vma on), as jax's own rules would (see `Conv`).
+            y, mean, var = _train_norm(xs, vary_like(scale.astype(stat_dtype), xs),
+                                       vary_like(bias.astype(stat_dtype), xs), self.epsilon)
             if not self.is_initializing():
                 self._update_running(ra_mean, ra_var, count, mean, var, x.size // features)
             return y.astype(x.dtype)

@@ -32,16 +32,19 @@ def on_xla_cpu() -> bool:
 
 
 def explicitly_sharded(x: jax.Array) -> bool:
-    """Whether `x`'s type carries a sharding over Explicit mesh axes: `jax.make_mesh`'s default
-    since jax 0.9, with `x` placed on such a mesh (e.g. the batch split over P("data")).
+    """Whether `x`'s type lives on a mesh with Explicit axes (`jax.make_mesh`'s default since
+    jax 0.9): `x` placed on such a mesh, or traced under `jax.set_mesh` of one.
 
     The CPU lowering's reshapes merge the sharded batch axis into others, and its hand-written
     gradients contract over it, which Explicit sharding refuses (ShardingTypeError) unless each
     names its output's sharding. The models then use lax.conv and jax's own rules, which carry
-    it. Auto meshes (jaxport's own training) and plain arrays type every axis as unsharded.
+    it. The mesh decides, not the spec: under `jax.vmap` of a split axis, the type of each
+    slice shows no split (P(None, ...)) while the reshapes still meet it. Auto meshes (jaxport's
+    own training), shard_map's manual axes and plain arrays keep the CPU lowering.
     """
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()
-    return any(axis is not None for axis in spec)
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", None) or ()
+    return any(t == jax.sharding.AxisType.Explicit for t in axis_types)
 
 
 def use_custom_vjps(flag: bool | None, owner: str = "ResNet") -> bool:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .._args import closest, is_int
 from .._errors import ConfigError
+from .._vma import vary_like
 from ._batchnorm import BatchNorm
 from ._grads import (conv1x1, conv1x1_primal, explicitly_sharded, grouped_conv, max_pool, max_pool_primal,
                      on_xla_cpu, small_map, small_map_conv, strided_conv, use_custom_vjps)
@@ -113,6 +114,10 @@ class _ConvLeaf(nn.Module):
         )
         bias = self.param("bias", nn.initializers.zeros, (self.features,), self.param_dtype) if self.use_bias else None
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        # Inside shard_map (check_vma on) the replicated kernel meets the device's shard: marked
+        # varying as jax's own rules mark it, or the hand-written VJPs' per-device kernel
+        # gradient did not match its type ("the manual axis types do not match").
+        kernel = vary_like(kernel, x)
         if explicitly_sharded(x):  # XLA's own convolution, whose sharding rules jax has
             y = _lax_conv(x, kernel, self.stride, pad, self.dilation, self.groups)
         elif k > 1 and on_xla_cpu() and small_map(x.shape, k, self.stride, pad, self.dilation):

@@ -6,21 +6,13 @@ from typing import Callable
 
 import jax
 import numpy as np
-from jax import lax
+
+from .._vma import vary_like
 
 try:  # jax >= 0.7: the callback sees XLA's own CPU buffers, no copy in either direction.
     from jax.experimental.buffer_callback import buffer_callback as _buffer_callback
 except ImportError:  # pragma: no cover - older jax
     _buffer_callback = None
-
-
-def _varying(x) -> frozenset:
-    """The manual mesh axes `x` varies over inside `shard_map` (empty outside it)."""
-    aval = jax.typeof(x)
-    vma = getattr(aval, "vma", None)  # jax < 0.9
-    if vma is None:
-        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
-    return frozenset(vma)
 
 
 # One callback object per kernel: jax keys its compiled computations on the callback, so a new
@@ -58,5 +50,4 @@ def host_call(fn: Callable[..., np.ndarray], out: jax.ShapeDtypeStruct, *args: j
         result = _buffer_callback(_fill(fn), out, vmap_method="broadcast_all")(*args)
     else:
         result = jax.pure_callback(_allocate(fn), out, *args, vmap_method="broadcast_all")
-    vma = frozenset().union(*(_varying(a) for a in args)) - _varying(result)
-    return lax.pcast(result, tuple(sorted(vma)), to="varying") if vma else result
+    return vary_like(result, *args)
