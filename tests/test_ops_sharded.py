@@ -189,3 +189,22 @@ def test_per_row_k_split_over_another_mesh_axis_than_the_rows(mesh, method):
     with pytest.raises(ConfigError, match=r"`k` is sharded as P\('b'\) and x's slices as P\('a'\) over Explicit "
                                           r"mesh axes.*jax.set_mesh"):
         jitted(xs, ks)
+
+
+@pytest.mark.parametrize("method", ["auto", "xla"])
+def test_an_empty_ranked_axis_keeps_an_explicit_split(method):
+    """Rows split over an Explicit mesh, nothing to rank in each: `rank` returned unsharded
+    zeros, and `topk_mask` / `hard_negative_mask` failed under jit without `jax.set_mesh`
+    ("Length of device assignment 1 is not equal to the size of the mesh 8")."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices (JAX_NUM_CPU_DEVICES)")
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[:8])
+    x = jax.device_put(np.zeros((8, 0), np.float32), NamedSharding(mesh, P("d", None)))
+    want = torch.argsort(torch.argsort(torch.zeros(8, 0), dim=-1), dim=-1).numpy()
+    for name, op in (("rank", lambda v: rank(v, method=method)),
+                     ("topk_mask", lambda v: topk_mask(v, 1, method=method)),
+                     ("hard_negative_mask", lambda v: hard_negative_mask(v, v > 0, method=method))):
+        out = jax.jit(op)(x)
+        # (np.asarray of an empty array split 8 ways fails in jax 0.10 itself: shape and type only.)
+        assert out.shape == want.shape and out.sharding.spec == P("d", None), (name, out.sharding)
+        assert out.dtype == (np.int32 if name == "rank" else np.bool_), (name, out.dtype)

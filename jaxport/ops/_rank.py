@@ -59,8 +59,14 @@ def rank(x: jax.Array, axis: int = -1, descending: bool = False, *, method: str 
     descending = check_flag(descending, "descending")
     method = check_method(method)
     key_dtype(x.dtype)  # a complex x is refused whatever its shape (a 0-d or empty one returned zeros)
-    if x.ndim == 0 or x.shape[axis] == 0:
-        return jnp.zeros(x.shape, jnp.int32)
+    if x.ndim == 0:
+        return jnp.zeros((), jnp.int32)
+    if x.shape[axis] == 0:
+        # Nothing to rank: an empty array, cast from `x` to keep its sharding. Zeros made afresh
+        # came out unsharded, or failed under jit on an Explicit mesh without `jax.set_mesh`
+        # ("Length of device assignment 1 is not equal to the size of the mesh"): jit drops an
+        # argument nothing uses, and with it the devices.
+        return x.astype(jnp.int32)
     x, restore = gather_axis(x, axis)
     key = jnp.moveaxis(order_key(x, descending), axis, -1)
     return restore(jnp.moveaxis(rank_keys(key, method), -1, axis))

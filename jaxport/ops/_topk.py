@@ -72,6 +72,8 @@ def topk_mask(x: jax.Array, k, axis: int = -1, largest: bool = True, *, method: 
         return topk_mask(x, k, 0, largest, method=method)[0]
     batch_shape = x.shape[:axis] + x.shape[axis + 1 :]
     kk = _per_slice_k(k, batch_shape, x.shape[axis], axis)
+    if x.shape[axis] == 0:
+        return x.astype(bool)  # nothing to select: as `rank`, before any resharding
     x, restore = gather_axis(x, axis)
     key = jnp.moveaxis(order_key(x, descending=largest), axis, -1)
     return restore(jnp.moveaxis(select_keys(key, kk, method), -1, axis))
@@ -167,6 +169,8 @@ def hard_negative_mask(
         k = jnp.zeros_like(num_pos)
     else:
         k = jnp.where(num_pos > rest // ratio, rest, ratio * num_pos)
+    if n == 0:
+        return loss.astype(bool)  # nothing to select: as `rank`, before any resharding
     loss, restore = gather_axis(loss, axis)
     positive, _ = gather_axis(positive, axis)
     key = order_key(loss, descending=True)
@@ -223,7 +227,7 @@ def _per_slice_k(k, batch_shape: tuple[int, ...], n: int, axis: int) -> jax.Arra
 def select_keys(key: jax.Array, k: jax.Array, method: str = "auto") -> jax.Array:
     """mask = stable ascending rank of `key` along the last axis < k (k in [0, n], batch-shaped)."""
     if key.shape[-1] == 0:
-        return jnp.zeros(key.shape, bool)
+        return key.astype(bool)  # nothing to select (see `rank`)
     k = match_batch(k, key)
     if method == "xla":
         return _select_xla(key, k)
