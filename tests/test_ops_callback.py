@@ -102,7 +102,7 @@ def test_eager_calls_compile_once_per_shape(bridge, monkeypatch):
             compiles.append(event)
 
     x = jnp.asarray(tricky((4, 8), "float32", seed=6))
-    want = torch_rank(to_torch(np.asarray(x), "float32"), -1, True)  # topk_mask keeps the largest
+    want = torch_rank(to_torch(np.array(x), "float32"), -1, True)  # topk_mask keeps the largest
     calls = {"rank": lambda: rank(x, method="host"), "topk_mask": lambda: topk_mask(x, 3, method="host")}
     jax.monitoring.register_event_duration_secs_listener(count)
     try:
