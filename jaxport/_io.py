@@ -464,7 +464,7 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
       >>> logits = jaxport.models.resnet50().apply(variables, images)  # doctest: +SKIP
     """
     path = Path(path)
-    header, metadata = _open(path)
+    header, metadata, start = _open(path)
     keys = [k for k in header if k != "__metadata__"]
     sep = key_separator(keys, metadata)
     if sep is None:
@@ -477,8 +477,6 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
             f"variables file '{path}' holds Flax variables whose keys are joined with {sep!r} ({keys[0]}, ...); "
             "jaxport reads keys joined with '/' (or '.'): re-save them with "
             "safetensors.flax.save_file(flax.traverse_util.flatten_dict(variables, sep='/'), path)")
-    with path.open("rb") as fh:
-        start = 8 + int.from_bytes(fh.read(8), "little")
     mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
     flat = {}
     for key, info in header.items():
@@ -506,7 +504,7 @@ def holds_variables(path: str | os.PathLike) -> bool:
     Raises:
       CheckpointError: missing, empty, truncated or malformed file, naming it.
     """
-    header, metadata = _open(Path(path))
+    header, metadata, _ = _open(Path(path))
     return key_separator([k for k in header if k != "__metadata__"], metadata) is not None
 
 
@@ -529,8 +527,8 @@ def key_separator(keys: list[str], metadata: Mapping[str, str]) -> str | None:
     return sep if all(any(k.startswith(c + sep) for c in _COLLECTIONS) for k in keys) else None
 
 
-def _open(path: Path) -> tuple[dict, dict[str, str]]:
-    """Validate with safetensors; return the parsed header and its metadata."""
+def _open(path: Path) -> tuple[dict, dict[str, str], int]:
+    """Validate with safetensors; return the parsed header, its metadata and the data's offset."""
     if not path.exists():
         raise CheckpointError(f"variables file '{path}' does not exist; check the path (write one with `jaxport port`)")
     if path.is_dir():
@@ -555,4 +553,4 @@ def _open(path: Path) -> tuple[dict, dict[str, str]]:
             f"variables file '{path}' is not a valid safetensors file ({e}); it may be truncated or "
             "not a variables file at all: re-create it with `jaxport port`"
         ) from e
-    return header, metadata
+    return header, metadata, 8 + n

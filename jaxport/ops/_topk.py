@@ -225,9 +225,8 @@ def _per_slice_k(k, batch_shape: tuple[int, ...], n: int, axis: int) -> jax.Arra
 
 
 def select_keys(key: jax.Array, k: jax.Array, method: str = "auto") -> jax.Array:
-    """mask = stable ascending rank of `key` along the last axis < k (k in [0, n], batch-shaped)."""
-    if key.shape[-1] == 0:
-        return key.astype(bool)  # nothing to select (see `rank`)
+    """mask = stable ascending rank of `key` along the last axis < k (k in [0, n], batch-shaped);
+    n >= 1 (the callers return an empty axis's mask before resharding)."""
     k = match_batch(k, key)
     if method == "xla":
         return _select_xla(key, k)
