@@ -471,3 +471,24 @@ def test_only_sizes_changed_is_a_replacement_in_place():
     assert not _loop._replaced_in_place(was, was | {"files": "f2", "train": 17})
     # A checkpoint written before the names were recorded apart is compared whole, as then.
     assert not _loop._replaced_in_place({k: v for k, v in was.items() if k != "names"}, was | {"files": "f2"})
+
+
+def test_resume_compiles_no_model_init_and_refuses_a_checkpoint_gone_meanwhile(tmp_path, data, reference, caplog,
+                                                                               monkeypatch):
+    """A resumed run compiled `model.init` (5-10 s for ResNet-50) for weights the checkpoint then
+    replaced; zeros of their shapes stand in now. Those zeros must never be trained: a checkpoint
+    listed at the start but gone before the restore is an error, not a run from step 0."""
+    work = _copy(reference, tmp_path)
+    jax.clear_caches()  # (the reference run compiled the same model.init)
+    with caplog.at_level("WARNING", logger="jax"), jax.log_compiles(True):
+        result = train(_cfg(work, data, resume=True, epochs=4))
+    # (name, argument types): the optimizer's `tx.init` is a `jit(init)` too, without the random key.
+    compiled = [(r.args[0], str(r.args[1])) for r in caplog.records if r.getMessage().startswith("Compiling ")]
+    assert result["steps_run"] == 4 and len(compiled) >= 2, compiled  # (the step and the evaluation compile)
+    assert not [c for c in compiled if "init" in c[0] and "key<" in c[1]], compiled
+
+    empty = tmp_path / "empty"
+    monkeypatch.setattr(_loop, "_latest_step", lambda workdir: 12)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 12 in .* was removed while this run started; run "
+                                              r"the command again"):
+        train(_cfg(empty, data, resume=True))

@@ -719,12 +719,16 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else None
     model = build(cfg.arch, num_classes=data.num_classes, bn_axis_name="data" if cfg.sync_bn else None, dtype=dtype)
-    fresh = jax.jit(model.init)(jax.random.key(cfg.seed), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
-    fresh = jax.tree.map(np.asarray, fresh)
-    if cfg.init and resumed_step is None:
-        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), fresh, say, cfg.arch)
+    image = jnp.zeros((1, cfg.image_size, cfg.image_size, 3))
+    # A resumed run takes every weight from its checkpoint: zeros of the right shapes stand in for
+    # them until the restore, where compiling model.init took 5-10 s only to be overwritten.
+    placeholder = resumed_step is not None
+    if placeholder:
+        variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(model.init, jax.random.key(0), image))
     else:
-        variables = fresh
+        variables = jax.tree.map(np.asarray, jax.jit(model.init)(jax.random.key(cfg.seed), image))
+    if cfg.init and not placeholder:
+        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), variables, say, cfg.arch)
     if n_proc > 1:  # what the flags cannot show: each process reads its own copy of --data and --init
         _distributed.check_same_settings({
             "--resume (latest checkpoint step)": resumed_step,
@@ -851,6 +855,10 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                 say(f"--resume: epoch {unevaluated['epoch'] + 1} was trained, but its evaluation did not finish: "
                     "evaluating it first")
         elif cfg.resume:
+            if placeholder:  # the checkpoint listed before the model was built is gone: never train from zeros
+                raise CheckpointError(f"--resume: checkpoint step {resumed_step} in "
+                                      f"{_checkpoint.checkpoint_dir(cfg.workdir)} was removed while this run "
+                                      "started; run the command again")
             say(f"--resume: no checkpoint in {cfg.workdir}; starting from step 0")
         start = int(state.step)
         # A metrics.jsonl deleted since the checkpoint is missing every row: said, like a truncated one.
