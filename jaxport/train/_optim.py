@@ -105,8 +105,9 @@ def _scale_by_learning_rate(learning_rate: ScalarOrSchedule, decoupled_weight_de
     """optax.scale_by_learning_rate (same state). For a low-precision parameter it returns the
     update that `optax.apply_updates` (`p + u`, rounded) turns into torch's once-rounded
     `p.add_(g, alpha=-lr)` (SGD), or `p.mul_(1 - lr * wd)` then `p += -lr * g` with `g` the
-    float32 Adam step (AdamW, `decoupled_weight_decay=wd`). Rounding `-lr * g` to the parameter's
-    dtype first, then `p + u`, rounded twice, ~1 ulp off torch on one element in 200 per step."""
+    float32 Adam step (AdamW, `decoupled_weight_decay=wd`); such an update is float32. Rounding
+    `-lr * g` to the parameter's dtype first, then `p + u`, rounded twice, ~1 ulp off torch on
+    one element in 200 per step."""
     base = optax.scale_by_learning_rate(learning_rate)
 
     def update(updates, state, params=None):
@@ -122,10 +123,13 @@ def _scale_by_learning_rate(learning_rate: ScalarOrSchedule, decoupled_weight_de
                 new = _add(p, g, neg_lr, p.dtype)
             else:
                 new = (_f32(_mul(p, 1 + neg_lr * decoupled_weight_decay)) + neg_lr * _f32(g)).astype(p.dtype)
-            # `new - p` is exact in float32, and in p's dtype whenever new is within a factor 2 of
-            # p (Sterbenz), so `p + u` rounds to `new` exactly; only a parameter that moves by
-            # more than its own size (e.g. across 0) can land an ulp away.
-            return (_f32(new) - _f32(p)).astype(p.dtype)
+            # Kept in float32: `optax.apply_updates` then adds `p + u` in float32 and rounds once,
+            # landing on `new` exactly whenever `new - p` is exact in float32 (every step that
+            # does not move a parameter across ~2^24 of its own size). Rounded to p's dtype, `u`
+            # was exact only where new is within a factor 2 of p (Sterbenz): a parameter that
+            # moved by more than its own size (near 0) landed an ulp away, ~0.5% of a ResNet's
+            # weights per step at lr 0.1.
+            return _f32(new) - _f32(p)
 
         return jax.tree.map(one, out, updates, params), new_state
 
@@ -310,8 +314,11 @@ def sgd(
     equals torch; torch's param groups (e.g. no decay on biases) are `multi_transform` too.
     Low-precision (bfloat16, float16) parameters are updated in their dtype, momentum buffer
     included, as torch does: each of torch's ops computed in float32 and rounded once, so the
-    two agree bit for bit on almost every element (torch's CPU loop rounds twice on a tensor's
-    last `size % 32` elements; see tests/test_optim_probe.py for the measured differences).
+    two agree bit for bit (torch's CPU loop rounds twice on a tensor's last `size % 32`
+    elements; see tests/test_optim_probe.py). Their updates are float32: apply them with
+    `optax.apply_updates`, which rounds `p + u` once into the parameter's dtype (an update
+    rounded to that dtype first would round twice, an ulp off torch where a step moves a
+    parameter by more than its own size).
 
     Raises:
       ConfigError: for the combinations torch refuses (nesterov without momentum or with
