@@ -463,8 +463,15 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
       >>> variables = load_variables("resnet50.safetensors")  # doctest: +SKIP
       >>> logits = jaxport.models.resnet50().apply(variables, images)  # doctest: +SKIP
     """
+    return load_with_metadata(path)[0]
+
+
+def load_with_metadata(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+    """`(load_variables(path), read_metadata(path))` from one read of the file: called one after
+    the other, a file replaced in between gave the weights of one version and the `arch` of
+    another. Raises as `load_variables`."""
     path = Path(path)
-    header, metadata, start = _open(path)
+    header, metadata, data = _open(path, data=True)
     keys = [k for k in header if k != "__metadata__"]
     sep = key_separator(keys, metadata)
     if sep is None:
@@ -477,7 +484,6 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
             f"variables file '{path}' holds Flax variables whose keys are joined with {sep!r} ({keys[0]}, ...); "
             "jaxport reads keys joined with '/' (or '.'): re-save them with "
             "safetensors.flax.save_file(flax.traverse_util.flatten_dict(variables, sep='/'), path)")
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size > start else np.zeros(0, np.uint8)
     flat = {}
     for key, info in header.items():
         if key == "__metadata__":
@@ -486,9 +492,9 @@ def load_variables(path: str | os.PathLike) -> dict[str, Any]:
         if dtype is None:
             raise CheckpointError(f"variables file '{path}': tensor '{key}' has dtype {info['dtype']}, which jaxport cannot read")
         lo, hi = info["data_offsets"]
-        flat[key.replace(sep, "/")] = mm[start + lo:start + hi].view(dtype).reshape(info["shape"])
+        flat[key.replace(sep, "/")] = data[lo:hi].view(dtype).reshape(info["shape"])
     try:
-        return unflatten(flat)
+        return unflatten(flat), metadata
     except ValueError as e:
         raise CheckpointError(
             f"variables file '{path}' is not a valid variables file: {e}, so no Flax tree can hold both "
@@ -527,30 +533,77 @@ def key_separator(keys: list[str], metadata: Mapping[str, str]) -> str | None:
     return sep if all(any(k.startswith(c + sep) for c in _COLLECTIONS) for k in keys) else None
 
 
-def _open(path: Path) -> tuple[dict, dict[str, str], int]:
-    """Validate with safetensors; return the parsed header, its metadata and the data's offset."""
-    if not path.exists():
-        raise CheckpointError(f"variables file '{path}' does not exist; check the path (write one with `jaxport port`)")
-    if path.is_dir():
-        raise CheckpointError(f"variables file '{path}' is a directory; expected a .safetensors file written by `jaxport port`")
-    size = path.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"variables file '{path}' is empty (0 bytes); re-create it with `jaxport port`")
+# How often a read starts over when the file is replaced under it (a re-port, a training run's
+# save) before it says so: each replacement is a whole new file, so a second try almost always
+# reads one whole file.
+_READ_ATTEMPTS = 3
+
+
+def _open(path: Path, *, data: bool = False) -> tuple[dict, dict[str, str], np.ndarray | None]:
+    """Validate with safetensors; return the parsed header, its metadata and, with `data`, the
+    bytes after the header (a read-only memmap that tensor offsets index).
+
+    Everything comes from one open file: opening the path for each part (the validation, the
+    header, the map) gave a mix of two files when it was replaced in between (`jaxport port
+    --force` while another process loads): garbage, or "cannot reshape array of size 0".
+    """
+    for _ in range(_READ_ATTEMPTS):
+        opened = _open_once(path, data)
+        if opened is not None:
+            return opened
+    raise CheckpointError(f"variables file '{path}' was replaced {_READ_ATTEMPTS} times while it was being read "
+                          "(another process keeps writing it); read it once that process has finished")
+
+
+def _open_once(path: Path, data: bool) -> tuple[dict, dict[str, str], np.ndarray | None] | None:
+    """`_open`'s one try; None when `path` was replaced while safetensors validated it."""
     try:
-        with safetensors.safe_open(str(path), framework="numpy") as f:
-            metadata = dict(f.metadata() or {})
-        with path.open("rb") as fh:
+        # O_NONBLOCK: opening a FIFO to read waits for a writer; it is refused below as empty.
+        fh = open(path, "rb", opener=lambda name, flags: os.open(name, flags | getattr(os, "O_NONBLOCK", 0)))
+    except (FileNotFoundError, NotADirectoryError):
+        raise CheckpointError(f"variables file '{path}' does not exist; check the path (write one with `jaxport port`)") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"variables file '{path}' is a directory; expected a .safetensors file written by "
+                              "`jaxport port`") from None
+    with fh:
+        opened = os.fstat(fh.fileno())
+        if opened.st_size == 0:
+            raise CheckpointError(f"variables file '{path}' is empty (0 bytes); re-create it with `jaxport port`")
+        try:
+            # safetensors opens the path itself: what it checked is this file only if the path
+            # still names it afterwards (it cannot be another file with the same inode number
+            # while this one is held open).
+            with safetensors.safe_open(str(path), framework="numpy") as f:
+                metadata = dict(f.metadata() or {})
+            if not _names(path, opened):
+                return None
             n = int.from_bytes(fh.read(8), "little")
             header = json.loads(fh.read(n))
-    except Exception as e:  # safetensors raises its own error type for every malformation
-        with path.open("rb") as fh:
+        except Exception as e:  # safetensors raises its own error type for every malformation
+            if not _names(path, opened):
+                return None
+            fh.seek(0)
             head = fh.read(8)
-        if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip or legacy pickle
+            if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save's zip or legacy pickle
+                raise CheckpointError(
+                    f"'{path}' is a torch checkpoint (torch.save), not a Flax variables file: port it first with "
+                    f"`jaxport port {shell_word(path)}`, then pass the .safetensors file it writes") from e
             raise CheckpointError(
-                f"'{path}' is a torch checkpoint (torch.save), not a Flax variables file: port it first with "
-                f"`jaxport port {shell_word(path)}`, then pass the .safetensors file it writes") from e
-        raise CheckpointError(
-            f"variables file '{path}' is not a valid safetensors file ({e}); it may be truncated or "
-            "not a variables file at all: re-create it with `jaxport port`"
-        ) from e
-    return header, metadata, 8 + n
+                f"variables file '{path}' is not a valid safetensors file ({e}); it may be truncated or "
+                "not a variables file at all: re-create it with `jaxport port`"
+            ) from e
+        start = 8 + n
+        if not data:
+            return header, metadata, None
+        # Mapped from this open file (the map keeps it open once it is closed here), not the path.
+        mm = np.memmap(fh, dtype=np.uint8, mode="r")[start:] if opened.st_size > start else np.zeros(0, np.uint8)
+        return header, metadata, mm
+
+
+def _names(path: Path, opened: os.stat_result) -> bool:
+    """Whether `path` names the open file `opened` describes."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino)

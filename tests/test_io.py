@@ -227,3 +227,61 @@ def test_atomic_path_writes_names_up_to_the_file_systems_limit(tmp_path, name):
     os.rename(tmp_path / "kept", tmp)  # the temporary file as a killed writer leaves it
     assert remove_temporaries(tmp_path, (name,)) == [tmp]
     assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+def _two_layouts():
+    """The same keys as float32 (`x`) and bfloat16 (`y`), as a re-port with --dtype writes them."""
+    rng = np.random.default_rng(0)
+    x = {"params": {f"layer{i}": {"kernel": rng.standard_normal((64, 64)).astype(np.float32)} for i in range(4)}}
+    y = {"params": {k: {"kernel": v["kernel"].astype(ml_dtypes.bfloat16)} for k, v in x["params"].items()}}
+    return x, y
+
+
+def _whole(back, x, y):
+    """Which of `x` and `y` `back` is, in every tensor; None for a mix or garbage."""
+    flat = jaxport._io.flatten(back)
+    for name, want in (("x", x), ("y", y)):
+        want = jaxport._io.flatten(want)
+        if flat.keys() == want.keys() and all(flat[k].dtype == want[k].dtype and np.array_equal(flat[k], want[k])
+                                              for k in want):
+            return name
+    return None
+
+
+@pytest.mark.parametrize("when", ["validation", "mapping"])
+def test_a_file_replaced_while_it_loads_gives_one_whole_file(tmp_path, monkeypatch, when):
+    """`load_variables` opened the path four times (safetensors' check, the header, its size, the
+    memmap): a file replaced in between (`jaxport port --force` while `export` reads it) came back
+    as float32 offsets over bfloat16 data, "cannot reshape array of size 0" or silent garbage.
+    The replacement happens just before safetensors validates, or just before the map."""
+    x, y = _two_layouts()
+    path = jaxport.save_variables(tmp_path / "v.safetensors", x, arch="resnet18")
+    newer = jaxport.save_variables(tmp_path / "newer.safetensors", y, arch="resnet34")
+    real = {"validation": safetensors.safe_open, "mapping": np.memmap}[when]
+
+    def replaced_first(*args, **kwargs):
+        if newer.exists():
+            os.replace(newer, path)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(*{"validation": (safetensors, "safe_open"), "mapping": (np, "memmap")}[when], replaced_first)
+    assert _whole(jaxport.load_variables(path), x, y) == {"validation": "y", "mapping": "x"}[when]
+    assert not newer.exists()  # the replacement did happen
+
+
+def test_a_file_replaced_on_every_read_is_one_clear_error(tmp_path, monkeypatch):
+    """A file replaced each time it is validated is never read as a mix: after a few tries the
+    error names it and why."""
+    x, y = _two_layouts()
+    path = jaxport.save_variables(tmp_path / "v.safetensors", x)
+    versions = [jaxport.save_variables(tmp_path / f"{i}.safetensors", (x, y)[i % 2]) for i in range(8)]
+    real = safetensors.safe_open
+
+    def replaced_each_time(*args, **kwargs):
+        opened = real(*args, **kwargs)
+        os.replace(versions.pop(), path)
+        return opened
+
+    monkeypatch.setattr(safetensors, "safe_open", replaced_each_time)
+    with pytest.raises(CheckpointError, match=f"variables file '{path}' was replaced 3 times while it was being read"):
+        jaxport.load_variables(path)
