@@ -288,7 +288,7 @@ def _cmd_port(args) -> int:
 def _cmd_verify(args) -> int:
     import torch_compat
 
-    from ._io import load_variables, read_metadata
+    from ._io import load_with_metadata
 
     state_dict, dilation = _load_checkpoint(args.checkpoint, args)
     variables, arch = None, None if args.arch == "auto" else args.arch
@@ -301,11 +301,11 @@ def _cmd_verify(args) -> int:
 
         from ._io import flatten
 
-        variables = load_variables(args.variables)
+        variables, metadata = load_with_metadata(args.variables)
         held = arch or torch_compat.detect_arch(state_dict)
         # The shapes say what the variables are; the recorded name only where shapes cannot
         # (a mislabelled file was called what its label said, and --arch could not override it).
-        looks = variables_look_like(flatten(variables)) or read_metadata(args.variables).get("arch")
+        looks = variables_look_like(flatten(variables)) or metadata.get("arch")
         if looks and looks != held:
             other = f"--arch is {held}" if arch else f"'{args.checkpoint}' is a {held} checkpoint"
             raise ConfigError(f"'{args.variables}' holds {looks} variables but {other}: verify compares a "
@@ -400,7 +400,7 @@ def _cmd_export(args) -> int:
     import torch
     import torch_compat
 
-    from ._io import atomic_path, load_variables, open_for_writer, read_metadata, safetensors_os_errors
+    from ._io import atomic_path, load_with_metadata, open_for_writer, safetensors_os_errors
 
     src, out = Path(args.variables), _out_path(args.out)
     _check_output(out, src, "variables file" if not src.is_dir() else "training workdir")
@@ -413,8 +413,8 @@ def _cmd_export(args) -> int:
         # A workdir holds many steps; without this line a user could not tell which one was written.
         print(f"read: step {step}, the latest checkpoint in {checkpoint_dir(src)}")
     else:
-        variables = load_variables(src)
-        recorded = read_metadata(src).get("arch")
+        variables, metadata = load_with_metadata(src)
+        recorded = metadata.get("arch")
     arch = args.arch or recorded
     if not arch:
         raise ConfigError(f"'{src}' does not record its architecture; pass --arch (e.g. --arch resnet50)")

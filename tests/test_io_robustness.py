@@ -68,6 +68,31 @@ def test_a_tensor_that_is_also_a_group_is_one_clear_error_in_load_and_export(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
 
 
+# --- a file replaced while it is read --------------------------------------------------------
+
+def test_export_takes_the_architecture_from_the_file_it_read_the_weights_from(tmp_path, small_port, monkeypatch,
+                                                                            capsys):
+    """`export` read the weights, then opened the file again for its `arch`: a file replaced in
+    between (a re-port of another model) gave one version's weights and the other's
+    architecture, and the export failed or was labelled wrongly."""
+    src = tmp_path / "r18.safetensors"
+    src.write_bytes(small_port.read_bytes())
+    newer = jaxport.save_variables(tmp_path / "newer.safetensors", {"params": {"x": np.zeros(2, np.float32)}},
+                                   arch="resnet34")
+    real = jaxport._io.unflatten
+
+    def replaced_after_reading(flat, *args, **kwargs):  # the weights are read: the file is replaced
+        tree = real(flat, *args, **kwargs)
+        if newer.exists():
+            os.replace(newer, src)
+        return tree
+
+    monkeypatch.setattr(jaxport._io, "unflatten", replaced_after_reading)
+    assert main(["export", str(src), "--out", str(tmp_path / "r18.pt")]) == 0, capsys.readouterr().err
+    assert "a torchvision resnet18 state_dict" in capsys.readouterr().out
+    assert not newer.exists() and jaxport.read_metadata(src)["arch"] == "resnet34"
+
+
 # --- SIGTERM while a file is written ----------------------------------------------------------
 
 # `jaxport export` in its own process, held inside the write: the temporary file is fully

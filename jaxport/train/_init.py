@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from .._errors import CheckpointError, ConfigError, ConversionError
-from .._io import holds_variables, load_variables, read_metadata
+from .._io import holds_variables, load_with_metadata
 
 
 def _flat(tree, prefix=()):
@@ -42,8 +42,8 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
                                   "checkpoints/ inside); pass a workdir, a torch checkpoint or a .safetensors file")
         variables, found = load_workdir(path)
     elif _is_safetensors(path) and holds_variables(path):  # by content: `port --out` takes any name
-        variables = load_variables(path)
-        found = read_metadata(path).get("arch")
+        variables, metadata = load_with_metadata(path)
+        found = metadata.get("arch")
     else:
         # The torch side: loading a torch checkpoint needs torch, via torch_compat only.
         import torch_compat
