@@ -203,9 +203,7 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
             os.close(fd)
             yield Path(tmp)
             # After the write: some writers (safetensors) recreate the file with mode 0600.
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)
+            _chmod_as_created(tmp)
             try:
                 os.replace(tmp, path)
             except OSError as e:  # e.g. `path` is a directory: name it, not the temporary file
@@ -213,6 +211,33 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
         finally:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def _chmod_as_created(path: str | os.PathLike) -> None:
+    """Give `path` the mode a newly created file gets (0666 less the umask)."""
+    # O_NOFOLLOW and fchmod: the temporary's name is in a directory others may write to, and
+    # a link put in its place would lend the mode to its target.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+    finally:
+        os.close(fd)
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where the system tells it (Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    # os.umask only reads it by setting it: a file another thread makes in the meantime gets
+    # this mask, so it is the most private one (with 0, such a file was world-writable).
+    umask = os.umask(0o077)
+    os.umask(umask)
+    return umask
 
 
 def remove_temporaries(directory: str | os.PathLike, names: tuple[str, ...]) -> list[Path]:

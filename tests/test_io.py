@@ -285,3 +285,30 @@ def test_a_file_replaced_on_every_read_is_one_clear_error(tmp_path, monkeypatch)
     monkeypatch.setattr(safetensors, "safe_open", replaced_each_time)
     with pytest.raises(CheckpointError, match=f"variables file '{path}' was replaced 3 times while it was being read"):
         jaxport.load_variables(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="the umask is read from /proc/self/status")
+def test_a_written_file_honours_the_umask_without_changing_it(tmp_path, monkeypatch):
+    """`atomic_path` read the umask by setting it to 0 and back: a file another thread created in
+    between (a training run's metrics beside a checkpoint save) got mode 0666, a directory 0777."""
+    from jaxport._io import atomic_path
+
+    real = os.umask
+    changed = []
+
+    def watched(mask):
+        old = real(mask)
+        if mask != old:
+            changed.append(f"{old:o} -> {mask:o}")
+        return old
+
+    previous = real(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", watched)
+        path = jaxport.save_variables(tmp_path / "v.safetensors", _variables())
+        with atomic_path(tmp_path / "m.jsonl") as tmp:
+            tmp.write_text("{}\n")
+    finally:
+        real(previous)
+    assert changed == []
+    assert [os.stat(p).st_mode & 0o777 for p in (path, tmp_path / "m.jsonl")] == [0o640, 0o640]
