@@ -187,6 +187,16 @@ def _refuse_overwrite(out: Path, force: bool, unless: str) -> None:
                           "output path, or pass --force to replace it")
 
 
+@contextlib.contextmanager
+def _refused_if_made(out: Path, force: bool) -> Iterator[None]:
+    """`_refuse_overwrite`'s refusal for an `out` that another process made during the block."""
+    try:
+        yield
+    except FileExistsError:
+        _refuse_overwrite(out, force, "")
+        raise
+
+
 _CHECKPOINT_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
@@ -213,6 +223,18 @@ def _default_port_output(ckpt: Path, force: bool) -> Path:
                 held = f"holds the port of '{source}', not of '{ckpt.name}'"
             raise ConfigError(f"the default output '{out}' already exists and {held}; nothing was overwritten: "
                               "pass --out to name the output, or --force to replace it")
+    return out
+
+
+def _port_output(ckpt: Path, args) -> Path:
+    """Where `jaxport port` writes: --out or the default name, once the checks that it may
+    write there have passed."""
+    out = _out_path(args.out) if args.out else _default_port_output(ckpt, args.force)
+    _check_output(out, ckpt, "checkpoint")
+    # Re-porting over an earlier port is the usual re-run; trained or saved variables record no
+    # source ('') and are kept like any other file.
+    if args.out and not _port_source(out):
+        _refuse_overwrite(out, args.force, " and is not an earlier port of a checkpoint (an earlier port is replaced)")
     return out
 
 
@@ -246,12 +268,9 @@ def _cmd_port(args) -> int:
 
                 sniff(str(ckpt))
         # Decided before any work, so a refused output costs nothing.
-        out = _out_path(args.out) if args.out else _default_port_output(ckpt, args.force)
-        _check_output(out, ckpt, "checkpoint")
-        # Re-porting over an earlier port is the usual re-run; trained or saved variables record no
-        # source ('') and are kept like any other file.
-        if args.out and not _port_source(out):
-            _refuse_overwrite(out, args.force, " and is not an earlier port of a checkpoint (an earlier port is replaced)")
+        out = _port_output(ckpt, args)
+        # A path found free must still be free when the port is written (see the save below).
+        replaceable = args.force or os.path.lexists(out)
         t0 = time.perf_counter()
         step("loading (weights-only)" if not args.trusted else "loading (trusted: full unpickle)")
         state_dict, dilation = _load_checkpoint(str(ckpt), args)
@@ -269,8 +288,15 @@ def _cmd_port(args) -> int:
               f"{_classes(detected, torch_compat.num_classes_of(state_dict))}, {len(state_dict)} tensors, "
               f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
         step("saving")
-        save_variables(out, variables, arch=detected,
-                       metadata={"source": _header_text(ckpt.name), "source_path": _header_text(ckpt.resolve())})
+        metadata = {"source": _header_text(ckpt.name), "source_path": _header_text(ckpt.resolve())}
+        try:
+            save_variables(out, variables, arch=detected, metadata=metadata, overwrite=replaceable)
+        except FileExistsError:
+            # Written since the checks above (another `jaxport port` started at the same time):
+            # they decide about it as they would have had it been there first. The port is
+            # written again only when they let it replace the file (the same checkpoint's port).
+            _port_output(ckpt, args)
+            save_variables(out, variables, arch=detected, metadata=metadata)
         print(f"wrote: {out} ({_human(out.stat().st_size)}; loaded + converted in {t1 - t0:.2f} s)")
         ok = True
         if args.verify:
@@ -425,7 +451,10 @@ def _cmd_export(args) -> int:
                           f"are a torchvision ResNet, pass --arch (one of {', '.join(ARCHS)})")
     state_dict = torch_compat.flax_to_torch(variables, arch)
     nbytes = sum(t.numel() * t.element_size() for t in state_dict.values())
-    with atomic_path(out, nbytes=nbytes + 200 * len(state_dict) + 65536) as tmp:  # data + a bound on the rest
+    # Without --force `out` was found free above, and is written only if it still is: a file
+    # another process wrote there meanwhile gets the refusal the check above gives.
+    with _refused_if_made(out, args.force), atomic_path(out, nbytes=nbytes + 200 * len(state_dict) + 65536,  # data + a bound
+                                            overwrite=args.force) as tmp:
         if out.suffix.lower() == ".safetensors":  # the name says safetensors (any case): no pickle inside it
             import safetensors.torch
 

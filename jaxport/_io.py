@@ -159,13 +159,18 @@ def _temporary_affixes(name: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, nbytes: int | None = None, *, overwrite: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds.
 
     An interrupted or failed write never leaves a partial file under the requested name, and
     never destroys an existing one. The file gets the usual umask permissions (not mkstemp's 0600).
 
+    With `overwrite=False` the file is published only if nothing is at `path` at that moment,
+    atomically: a check made before the write leaves time for another process to write there.
+
     Raises:
+      FileExistsError: `overwrite` is False and something is at `path`, before the block or
+        once it has run; nothing is replaced and the temporary file is removed.
       OSError: (ENOSPC) `nbytes` will not fit on the file system, said before anything is
         written (a full disk otherwise surfaces as the writer's own error, e.g. safetensors');
         or the directory cannot be made or written, with `path` as the filename.
@@ -178,6 +183,8 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
         # /dev/null itself); a directory makes the rename fail, naming `path`.
         raise OSError(errno.EEXIST, f"exists and is {file_kind(path)}, not a regular file; nothing was written "
                       "(choose a file path)", str(path))
+    if not overwrite and os.path.lexists(path):
+        raise _exists(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         if nbytes is not None:
@@ -205,12 +212,47 @@ def atomic_path(path: str | os.PathLike, nbytes: int | None = None) -> Iterator[
             # After the write: some writers (safetensors) recreate the file with mode 0600.
             _chmod_as_created(tmp)
             try:
-                os.replace(tmp, path)
+                if overwrite:
+                    os.replace(tmp, path)
+                else:
+                    _publish_new(tmp, path)
             except OSError as e:  # e.g. `path` is a directory: name it, not the temporary file
                 raise OSError(e.errno, e.strerror, str(path)) from e
         finally:
             if tmp is not None:
                 Path(tmp).unlink(missing_ok=True)
+
+
+def _exists(path: Path) -> FileExistsError:
+    """The error for a file `overwrite=False` keeps."""
+    return FileExistsError(errno.EEXIST, "already exists; nothing was written over it (pass overwrite=True to "
+                                         "replace it)", str(path))
+
+
+# link(2)'s errors where the file system has no hard links (FAT, exFAT, some FUSE and network
+# mounts), or will not link this file: EXDEV and EMLINK cannot happen for a new temporary in
+# the same directory, but say the same thing.
+_NO_HARD_LINK = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS}
+
+
+def _publish_new(tmp: str, path: Path) -> None:
+    """Give the file `tmp` the name `path` only if no entry has it; FileExistsError otherwise.
+
+    A hard link is made atomically or fails with EEXIST, where a rename replaces whatever is
+    there (two `jaxport port` started together both found the path free, and the last one
+    silently replaced the other's file). The caller removes `tmp`, the second name.
+    """
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise _exists(path) from None
+    except OSError as e:
+        if e.errno not in _NO_HARD_LINK:
+            raise
+        # Without hard links the check and the rename are two steps again, as close as they go.
+        if os.path.lexists(path):
+            raise _exists(path) from e
+        os.replace(tmp, path)
 
 
 def _chmod_as_created(path: str | os.PathLike) -> None:
@@ -329,7 +371,7 @@ def _sigterm_raises(path: Path) -> contextlib.AbstractContextManager[None]:
 
 
 def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arch: str | None = None,
-                   metadata: Mapping[str, str] | None = None) -> Path:
+                   metadata: Mapping[str, str] | None = None, overwrite: bool = True) -> Path:
     """Write Flax variables to a safetensors file, atomically.
 
     Args:
@@ -338,6 +380,9 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
       arch: the architecture name, stored in the header so `jaxport export` and `verify` need
         not be told.
       metadata: extra string key/values for the header.
+      overwrite: replace a file already at `path` (the default). With False the file is written
+        only if nothing is there, checked atomically as it is put in place: one another process
+        wrote during the save is kept.
 
     Returns:
       The path written.
@@ -348,6 +393,7 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
         the atomic rename would replace; a key is not a non-empty string without '/'; an array's
         dtype is one `load_variables` cannot read (float8, complex, object); or `metadata` is not
         strings. Nothing is written.
+      FileExistsError: `overwrite` is False and something is at `path`; nothing was written.
       OSError: the file cannot be written (no space, no permission), naming `path`.
     """
     if str(path).endswith(("/", os.sep)) or Path(path).is_dir():
@@ -376,7 +422,8 @@ def save_variables(path: str | os.PathLike, variables: Mapping[str, Any], *, arc
                           "text), e.g. metadata={'step': str(step)}")
     meta = {"format": FORMAT, "version": "1", **({"arch": arch} if arch else {}), **dict(metadata or {})}
     # the data plus a generous bound on the JSON header (~100 bytes per tensor)
-    with atomic_path(path, nbytes=sum(a.nbytes for a in flat.values()) + 100 * len(flat) + 4096) as tmp:
+    with atomic_path(path, nbytes=sum(a.nbytes for a in flat.values()) + 100 * len(flat) + 4096,
+                     overwrite=overwrite) as tmp:
         with safetensors_os_errors(path):
             safetensors.numpy.save_file(flat, str(tmp), metadata=meta)
         _sort_metadata(tmp)

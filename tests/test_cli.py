@@ -252,6 +252,69 @@ def test_port_never_overwrites_its_checkpoint_or_a_foreign_file(tmp_path, monkey
     _assert_one_line_error(capsys.readouterr().err, "is a directory")
 
 
+@pytest.mark.parametrize("made", ["a foreign file", "a port of another checkpoint", "a port of this checkpoint"])
+@pytest.mark.parametrize("named", [False, True], ids=["default output", "--out"])
+def test_a_port_never_replaces_a_file_written_while_it_ran(tmp_path, resnet18_checkpoint, monkeypatch, capsys,
+                                                           made, named):
+    """The checks that `out` is free ran before loading and converting; the write then replaced
+    whatever was there by then: two `jaxport port` started together both exited 0 and the last
+    one silently replaced the other's port, which one after the other is refused. A file that
+    appears meanwhile now gets the same decision as one that was there first."""
+    monkeypatch.chdir(tmp_path)
+    out = Path("out.safetensors" if named else "r18.safetensors")
+    source = resnet18_checkpoint if made == "a port of this checkpoint" else tmp_path / "other.pth"
+    real = torch_compat.torch_to_flax
+
+    def meanwhile(*args, **kwargs):  # another process writes `out` while this one converts
+        if made == "a foreign file":
+            out.write_bytes(b"someone else's file")
+        else:
+            jaxport.save_variables(out, {"params": {"x": np.zeros(2, np.float32)}}, arch="resnet34",
+                                   metadata={"source": source.name, "source_path": str(source)})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_compat, "torch_to_flax", meanwhile)
+    code = main(["port", str(resnet18_checkpoint), *(["--out", str(out)] if named else [])])
+    err = capsys.readouterr().err
+    # One after the other: --out replaces any earlier port, the default name only this checkpoint's.
+    replaced = made == "a port of this checkpoint" or (named and made != "a foreign file")
+    if replaced:
+        assert code == 0, err
+        assert jaxport.read_metadata(out)["arch"] == "resnet18"
+    else:
+        assert code == 2
+        if named:
+            _assert_one_line_error(err, f"`--out` (={out}) already exists and is not an earlier port", "--force")
+        else:
+            _assert_one_line_error(err, f"the default output '{out}' already exists", "--force")
+        if made == "a foreign file":
+            assert out.read_bytes() == b"someone else's file"
+        else:
+            assert jaxport.read_metadata(out)["arch"] == "resnet34"
+    assert [p.name for p in tmp_path.iterdir()] == [out.name]  # no temporary left
+
+
+def test_an_export_never_replaces_a_file_written_while_it_ran(tmp_path, monkeypatch, capsys):
+    """Without --force `export` refuses an existing --out, but checked before converting; a file
+    written there meanwhile (two exports to one name started together) was replaced with status 0."""
+    variables = jaxport.save_variables(tmp_path / "v.safetensors",
+                                       torch_compat.torch_to_flax(reference("resnet18").state_dict()), arch="resnet18")
+    out = tmp_path / "r18.pt"
+    real = torch_compat.flax_to_torch
+
+    def meanwhile(*args, **kwargs):
+        out.write_bytes(b"someone else's file")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_compat, "flax_to_torch", meanwhile)
+    assert main(["export", str(variables), "--out", str(out)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, f"`--out` (={out}) already exists", "--force")
+    assert out.read_bytes() == b"someone else's file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r18.pt", "v.safetensors"]  # no temporary left
+    assert main(["export", str(variables), "--out", str(out), "--force"]) == 0
+    assert torch.load(out, weights_only=True).keys() == reference("resnet18").state_dict().keys()
+
+
 def test_export_writes_safetensors_by_name_and_never_over_its_input(tmp_path, capsys):
     variables = jaxport.save_variables(tmp_path / "v.safetensors",
                                        torch_compat.torch_to_flax(reference("resnet18").state_dict()), arch="resnet18")

@@ -312,3 +312,32 @@ def test_a_written_file_honours_the_umask_without_changing_it(tmp_path, monkeypa
         real(previous)
     assert changed == []
     assert [os.stat(p).st_mode & 0o777 for p in (path, tmp_path / "m.jsonl")] == [0o640, 0o640]
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["hard links", "no hard links"])
+def test_atomic_path_without_overwrite_keeps_a_file_made_during_the_write(tmp_path, monkeypatch, links):
+    """`overwrite=False` is decided when the file is put in place (a hard link, which fails where
+    a rename replaces), so a file another process made during the write is kept. A file system
+    without hard links (FAT, some network mounts) falls back to a check and a rename."""
+    import errno
+
+    from jaxport._io import atomic_path
+
+    if not links:
+        def no_link(*args, **kwargs):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+        monkeypatch.setattr(os, "link", no_link)
+    target = tmp_path / "m.jsonl"
+    with pytest.raises(FileExistsError, match="already exists; nothing was written over it") as e:
+        with atomic_path(target, overwrite=False) as tmp:
+            tmp.write_text("mine\n")
+            target.write_text("theirs\n")
+    assert e.value.filename == str(target) and target.read_text() == "theirs\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["m.jsonl"]  # no temporary left
+    with pytest.raises(FileExistsError):  # already there: refused before anything is written
+        jaxport.save_variables(target, _variables(), overwrite=False)
+    target.unlink()
+    path = jaxport.save_variables(target, _variables(), overwrite=False)
+    assert jaxport.load_variables(path).keys() == {"params", "batch_stats"}
+    assert [p.name for p in tmp_path.iterdir()] == ["m.jsonl"]
