@@ -624,7 +624,8 @@ def _open(path: Path, *, data: bool = False) -> tuple[dict, dict[str, str], np.n
         if opened is not None:
             return opened
     raise CheckpointError(f"variables file '{path}' was replaced {_READ_ATTEMPTS} times while it was being read "
-                          "(another process keeps writing it); read it once that process has finished")
+                          "(a writer keeps saving it: another `jaxport port --force`, a training run); read it once "
+                          "that writer has finished")
 
 
 def _open_once(path: Path, data: bool) -> tuple[dict, dict[str, str], np.ndarray | None] | None:
