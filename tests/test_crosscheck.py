@@ -46,6 +46,17 @@ def test_cross_check_detects_broken_ports(mutation):
     assert "NO" in report.table()
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_a_cast_port_is_checked_against_the_checkpoint_cast_the_same_way(dtype):
+    """What the README and cross_check's docstring advise: a cast port is not the float32
+    checkpoint (the cast rounds every weight), and passes against the checkpoint cast alike."""
+    sd = reference("resnet18").state_dict()
+    v = torch_compat.torch_to_flax(sd, dtype=dtype)
+    (against_f32,) = torch_compat.cross_check(sd, v, modes=("eval",))
+    (against_cast,) = torch_compat.cross_check(torch_compat.cast_floating(sd, dtype), v, modes=("eval",))
+    assert not against_f32.ok and against_cast.ok, against_f32.table() + "\n" + against_cast.table()
+
+
 def test_cross_check_reports_both_modes_and_passes_a_correct_port():
     sd = reference("resnet18").state_dict()
     torch.manual_seed(123)

@@ -171,7 +171,9 @@ def cross_check(
 
     Both sides run in float32 (half-precision weights are upcast exactly on both sides, so the
     check measures the port, not half-precision arithmetic) with full-precision matmuls, and
-    both are built with the same `replace_stride_with_dilation`.
+    both are built with the same `replace_stride_with_dilation`. Variables cast with
+    `torch_to_flax(state_dict, dtype=...)` differ from `state_dict` by the cast's rounding:
+    pass `cast_floating(state_dict, dtype)` with them, as `jaxport verify` does.
 
     Args:
       state_dict: the torch weights (see `load_state_dict`).

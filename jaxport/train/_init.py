@@ -113,5 +113,11 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, a
         model = f"a {arch}" if arch else "the model"
         raise CheckpointError(f"--init weights do not fit {model}: {'; '.join(parts)}; they are another "
                               "architecture's: pass the --arch they were trained with")
+    # Half-precision weights (a `port` kept them so) become the run's float32 master weights:
+    # said, since `variables.safetensors` then holds another dtype than the file given.
+    cast = sorted({str(np.asarray(got[k]).dtype) for k in want
+                   if np.issubdtype(np.asarray(got[k]).dtype, np.floating) and np.asarray(got[k]).dtype != np.asarray(want[k]).dtype})
+    if cast:
+        said += f"; {'/'.join(cast)} weights upcast to the run's {np.asarray(want[('params', 'fc', 'kernel')]).dtype}"
     log(said)
     return jax.tree.map(lambda a, f: np.asarray(a).astype(np.asarray(f).dtype), out, fresh)
