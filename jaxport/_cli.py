@@ -238,6 +238,22 @@ def _port_output(ckpt: Path, args) -> Path:
     return out
 
 
+def _non_finite(state_dict) -> str | None:
+    """Which floating tensors hold NaN or inf (a diverged run's checkpoint), or None."""
+    import torch
+
+    found = []
+    for key, t in state_dict.items():
+        if t.is_floating_point():
+            bad = ~torch.isfinite(t if t.element_size() > 1 else t.float())  # (no isfinite for float8)
+            if bool(bad.any()):
+                nan = int(torch.isnan(t.float()[bad]).sum())
+                found.append(f"{key}: {nan} NaN, {int(bad.sum()) - nan} inf")
+    if not found:
+        return None
+    return f"{len(found)} tensor(s) hold NaN or inf values ({'; '.join(found[:3])}{'; ...' if len(found) > 3 else ''})"
+
+
 def _print_reports(reports) -> bool:
     for r in reports:
         print(r.table())
@@ -287,6 +303,9 @@ def _cmd_port(args) -> int:
         print(f"architecture: {detected} ({'detected' if arch is None else 'given'}), "
               f"{_classes(detected, torch_compat.num_classes_of(state_dict))}, {len(state_dict)} tensors, "
               f"{n_params / 1e6:.2f}M parameters, {'/'.join(dtypes)}")
+        if (bad := _non_finite(state_dict)) is not None:  # ported as they are, but not silently
+            print(f"warning: the checkpoint's {bad}; they are copied as they are (was it saved after its training "
+                  "diverged?), and the model's outputs will be NaN or inf")
         step("saving")
         metadata = {"source": _header_text(ckpt.name), "source_path": _header_text(ckpt.resolve())}
         try:
@@ -352,6 +371,10 @@ def _cmd_verify(args) -> int:
         dilated = f" and its 3x3 kernels dilated by {spread}" if spread > 1 else ""
         print(f"note: at --image-size {args.image_size} layer4's maps are {side}x{side}{dilated}, so the outer taps "
               "of its 3x3 kernels never reach the output and the cross-check cannot see them; the default (64) can")
+    bad = _non_finite(state_dict)
+    if bad is not None:
+        print(f"note: the checkpoint's {bad}: both models' outputs are NaN or inf, so the output check below fails "
+              "whatever the port" + (" (the port itself is compared tensor by tensor)" if args.variables else ""))
     modes = ("eval", "train") if args.mode == "both" else (args.mode,)
     with _steps(1, "verify") as step:
         step("running torchvision and the Flax port")
@@ -379,6 +402,11 @@ def _cmd_verify(args) -> int:
         print(f"weights: {len(differences)} tensor(s) of '{args.variables}' differ from the checkpoint's own "
               "port:\n  " + "\n  ".join(shown))
         print("verify: FAIL: the variables are not the checkpoint's port (re-port it with `jaxport port`)")
+        return EXIT_MISMATCH
+    if not ok and bad is not None:
+        exact = " (every tensor is an exact copy of the checkpoint's own port)" if args.variables else ""
+        print(f"verify: FAIL: the checkpoint holds NaN or inf values, which no output check can pass{exact}; "
+              "verify a checkpoint saved before its training diverged")
         return EXIT_MISMATCH
     print("verify: PASS" if ok else "verify: FAIL: beyond tolerance")
     return 0 if ok else EXIT_MISMATCH

@@ -147,6 +147,27 @@ def test_verify_fails_with_exit_1_on_a_broken_port(tmp_path, resnet18_checkpoint
     assert "verify: FAIL" in out and "NO" in out
 
 
+def test_a_checkpoint_holding_nan_or_inf_is_said_by_port_and_verify(tmp_path, capsys):
+    """A diverged run's checkpoint ported silently, and verify failed it "beyond tolerance" with a
+    relative error of inf, as if the port were wrong. Both now name the tensors, and verify says
+    the port is an exact copy while no output check can pass."""
+    sd = reference("resnet18").state_dict()
+    sd["layer2.0.conv1.weight"][0, 0, 0, :2] = torch.tensor([float("nan"), float("inf")])
+    sd["bn1.running_var"][3] = float("nan")
+    ckpt = tmp_path / "diverged.pth"
+    torch.save(sd, ckpt)
+    out_file = tmp_path / "diverged.safetensors"
+    assert main(["port", str(ckpt), "--out", str(out_file)]) == 0
+    out = capsys.readouterr().out
+    assert ("warning: the checkpoint's 2 tensor(s) hold NaN or inf values (bn1.running_var: 1 NaN, 0 inf; "
+            "layer2.0.conv1.weight: 1 NaN, 1 inf); they are copied as they are") in out, out
+    assert main(["verify", str(ckpt), str(out_file), "--mode", "eval"]) == 1
+    out = capsys.readouterr().out
+    assert "note: the checkpoint's 2 tensor(s) hold NaN or inf values" in out, out
+    assert ("verify: FAIL: the checkpoint holds NaN or inf values, which no output check can pass (every tensor "
+            "is an exact copy of the checkpoint's own port)") in out, out
+
+
 def test_verify_compares_the_port_tensor_by_tensor(tmp_path, resnet18_checkpoint, capsys):
     """1e-5 on every logit bias stays within the cross-check's tolerance, and verify said PASS;
     the port must be the checkpoint's exact copy, so any changed tensor now fails it."""
