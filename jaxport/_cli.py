@@ -597,9 +597,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
     dilation(p, "--verify's cross-check (the port is the same either way)")
-    p.add_argument("--dtype", choices=("keep", "float32", "float16", "bfloat16"), default="keep",
-                   help="keep each tensor's dtype (default), or cast every floating tensor to this dtype, "
-                        "rounding as torch's tensor.to(dtype) does")
+    dtype = p.add_argument("--dtype", choices=("keep", "float32", "float16", "bfloat16"), default="keep",
+                           help="keep each tensor's dtype (default), or cast every floating tensor to this dtype, "
+                                "rounding as torch's tensor.to(dtype) does")
+    # Other names of these widths (torch's `half`, common short forms) are named in the refusal:
+    # by spelling alone `half` matched nothing. (`float` stays ambiguous: numpy's is float64.)
+    dtype.aliases = {"half": "float16", "fp16": "float16", "f16": "float16", "bf16": "bfloat16",
+                     "single": "float32", "fp32": "float32", "f32": "float32"}
     p.add_argument("--force", action="store_true",
                    help="replace an existing output file that is not an earlier port of this checkpoint")
     loading(p)

@@ -69,7 +69,7 @@ class Parser(argparse.ArgumentParser):
             raise argparse.ArgumentError(None, f"`{value}` is not a `{self.prog}` command (one of "
                                                f"{', '.join(action.choices)}); {fix}")
         try:
-            one_of(action.option_strings[-1], value, list(action.choices))
+            one_of(action.option_strings[-1], value, list(action.choices), aliases=getattr(action, "aliases", None))
         except ConfigError as e:
             raise argparse.ArgumentError(None, str(e)) from None
 

@@ -41,6 +41,8 @@ def _refused(capsys, *argv) -> str:
                                                             "mean --arch resnet50?"),
     (["port", "--dtype", "bf16"], "`--dtype` (='bf16') must be one of keep, float32, float16, bfloat16; did you mean "
                                   "--dtype bfloat16?"),
+    (["port", "--dtype", "half"], "`--dtype` (='half') must be one of keep, float32, float16, bfloat16; did you mean "
+                                  "--dtype float16?"),  # torch's name, which no spelling matched
     (["port", "--dtype", "int8"], "`--dtype` (='int8') must be one of keep, float32, float16, bfloat16"),
     (["verify", "x.pth", "--mode", "evl"], "`--mode` (='evl') must be one of eval, train, both; did you mean --mode eval?"),
     (["prot"], "`prot` is not a `jaxport` command (one of port, verify, export, env, train); did you mean "
