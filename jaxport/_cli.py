@@ -150,24 +150,40 @@ def _out_path(text: str) -> Path:
     return path
 
 
-def _port_source(out: Path) -> str | None:
-    """The checkpoint an existing jaxport variables file was ported from (its absolute path, or
-    its name for ports written before the path was recorded; '' when it does not say); None when
-    `out` is not a jaxport variables file at all."""
+def _port_source(out: Path) -> dict[str, str] | None:
+    """The header metadata of an existing jaxport variables file, which says the checkpoint it
+    was ported from (`_is_port_of`; `_source_name` for showing it); None when `out` is not a
+    jaxport variables file at all."""
     from ._io import FORMAT, read_metadata
 
     try:
         metadata = read_metadata(out)
     except JaxportError:
         return None
-    if metadata.get("format") != FORMAT:
-        return None
+    return metadata if metadata.get("format") == FORMAT else None
+
+
+def _source_name(metadata: dict[str, str]) -> str:
+    """The checkpoint a port records, as shown: a path (earlier ports), else its name;
+    '' when it records none (`jaxport train`'s variables, `jaxport.save_variables`)."""
     return metadata.get("source_path") or metadata.get("source", "")
 
 
-def _is_port_of(source: str, ckpt: Path) -> bool:
-    # A file that records no source ('') is not a port: `jaxport train`'s variables and files
+def _source_id(ckpt: Path) -> str:
+    """What a port records to know its checkpoint again: a digest of the checkpoint's absolute
+    path. The path itself, recorded before, put the user's directory names (often their login)
+    into every port they publish."""
+    import hashlib
+
+    return hashlib.sha256(os.fsencode(ckpt.resolve())).hexdigest()
+
+
+def _is_port_of(metadata: dict[str, str], ckpt: Path) -> bool:
+    # A file that records no source is not a port: `jaxport train`'s variables and files
     # written by `jaxport.save_variables` record none, and were replaced without --force.
+    if metadata.get("source_id"):
+        return metadata["source_id"] == _source_id(ckpt)
+    source = _source_name(metadata)
     return bool(source) and (source == _header_text(ckpt.resolve())
                              or (os.sep not in source and source == _header_text(ckpt.name)))
 
@@ -213,12 +229,15 @@ def _default_port_output(ckpt: Path, force: bool) -> Path:
         out = Path(stem + ".flax.safetensors")
     # (The checkpoint itself is never the output: `_check_output` refuses that, --force or not.)
     if os.path.lexists(out) and not force:
-        source = _port_source(out)
-        if source is None or not _is_port_of(source, ckpt):
-            if source is None:
+        metadata = _port_source(out)
+        if metadata is None or not _is_port_of(metadata, ckpt):
+            source = "" if metadata is None else _source_name(metadata)
+            if metadata is None:
                 held = "is not a jaxport variables file"
             elif not source:
                 held = "holds jaxport variables that were not ported from a checkpoint (trained or saved weights)"
+            elif source == _header_text(ckpt.name):
+                held = f"holds the port of another '{source}' (another directory's, or a file since moved)"
             else:
                 held = f"holds the port of '{source}', not of '{ckpt.name}'"
             raise ConfigError(f"the default output '{out}' already exists and {held}; nothing was overwritten: "
@@ -233,7 +252,7 @@ def _port_output(ckpt: Path, args) -> Path:
     _check_output(out, ckpt, "checkpoint")
     # Re-porting over an earlier port is the usual re-run; trained or saved variables record no
     # source ('') and are kept like any other file.
-    if args.out and not _port_source(out):
+    if args.out and not _source_name(_port_source(out) or {}):
         _refuse_overwrite(out, args.force, " and is not an earlier port of a checkpoint (an earlier port is replaced)")
     return out
 
@@ -307,7 +326,7 @@ def _cmd_port(args) -> int:
             print(f"warning: the checkpoint's {bad}; they are copied as they are (was it saved after its training "
                   "diverged?), and the model's outputs will be NaN or inf")
         step("saving")
-        metadata = {"source": _header_text(ckpt.name), "source_path": _header_text(ckpt.resolve())}
+        metadata = {"source": _header_text(ckpt.name), "source_id": _source_id(ckpt)}
         try:
             save_variables(out, variables, arch=detected, metadata=metadata, overwrite=replaceable)
         except FileExistsError:

@@ -13,7 +13,7 @@ import torchvision
 
 import jaxport
 import torch_compat
-from jaxport._cli import main
+from jaxport._cli import _source_id, main
 from tests.helpers import reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,6 +81,40 @@ def test_port_verify_export_round_trip(tmp_path, resnet18_checkpoint):
     assert again.read_bytes() == pt.read_bytes()
 
 
+def _header(path: Path) -> bytes:
+    """A safetensors file's JSON header: its first 8 bytes give the length."""
+    data = path.read_bytes()
+    return data[8:8 + int.from_bytes(data[:8], "little")]
+
+
+def test_a_port_records_no_directory_and_still_knows_its_checkpoint(tmp_path, resnet18_checkpoint, monkeypatch,
+                                                                   capsys):
+    """A port recorded the checkpoint's absolute path, putting the user's directory names (often
+    their login) into every file they publish. A digest of it recognises a re-port as well; a
+    same-named checkpoint of another directory is still refused, and said as such. Ports written
+    with the path are still recognised."""
+    private = tmp_path / "home_alice_secret"
+    private.mkdir()
+    ckpt = private / "r18.pth"
+    shutil.copy(resnet18_checkpoint, ckpt)
+    monkeypatch.chdir(tmp_path)
+    assert main(["port", str(ckpt)]) == 0
+    header = _header(Path("r18.safetensors"))
+    assert b"alice" not in header and b"r18.pth" in header
+    assert main(["port", str(ckpt)]) == 0  # a re-port replaces its own
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    shutil.copy(resnet18_checkpoint, other / "r18.pth")
+    assert main(["port", str(other / "r18.pth")]) == 2
+    assert ("the default output 'r18.safetensors' already exists and holds the port of another 'r18.pth' (another "
+            "directory's, or a file since moved); nothing was overwritten") in capsys.readouterr().err
+    # A port that recorded the path (before): recognised by it.
+    jaxport.save_variables("r18.safetensors", torch_compat.torch_to_flax(reference("resnet18").state_dict()),
+                           arch="resnet18", metadata={"source": "r18.pth", "source_path": str(other / "r18.pth")})
+    assert main(["port", str(other / "r18.pth")]) == 0
+    assert main(["port", str(ckpt)]) == 2
+
+
 def test_a_checkpoint_under_a_path_that_is_not_utf8_ports(tmp_path, resnet18_checkpoint):
     """A Latin-1 directory name: torch's memory-mapped reader takes paths as UTF-8, and the
     failure was reported as a corrupt checkpoint; then the header could not hold the path, and
@@ -97,7 +131,8 @@ def test_a_checkpoint_under_a_path_that_is_not_utf8_ports(tmp_path, resnet18_che
     # The printed next step names the directory with its own bytes: it runs as shown.
     assert b"next: jaxport verify '" + os.fsencode(ckpt) + b"' r18.safetensors" in proc.stdout, proc.stdout
     port = tmp_path / "r18.safetensors"
-    assert jaxport.read_metadata(port)["source_path"] == str(ckpt.resolve()).replace("\udce9", "\\xe9")
+    # The port knows its checkpoint again (above) by a digest: no directory name is in the file.
+    assert jaxport.read_metadata(port)["source"] == "r18.pth" and b"caf" not in _header(port)
     proc = subprocess.run([sys.executable, "-m", "jaxport", "verify", str(ckpt), str(port), "--mode", "eval"],
                           capture_output=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0 and b"verify: PASS" in proc.stdout, proc.stderr.decode(errors="replace")
@@ -291,7 +326,7 @@ def test_a_port_never_replaces_a_file_written_while_it_ran(tmp_path, resnet18_ch
             out.write_bytes(b"someone else's file")
         else:
             jaxport.save_variables(out, {"params": {"x": np.zeros(2, np.float32)}}, arch="resnet34",
-                                   metadata={"source": source.name, "source_path": str(source)})
+                                   metadata={"source": source.name, "source_id": _source_id(source)})
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch_compat, "torch_to_flax", meanwhile)
