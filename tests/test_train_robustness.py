@@ -279,3 +279,70 @@ def test_flags_that_change_nothing_say_so(tmp_path):
         train(_cfg(tmp_path / "w", None, workers=2, trusted=True, devices=64), log=said.append)
     assert said == ["--workers 2 is not used (the embedded digits are held in memory; it sets --data's loader "
                     "processes)", "--trusted is not used (it allows a full unpickle of --init, and there is none)"]
+
+
+def _snapshot(root):
+    """Every file under `root`, by relative path, with its bytes."""
+    return {os.path.relpath(os.path.join(d, f), root): open(os.path.join(d, f), "rb").read()
+            for d, _, files in os.walk(root) for f in files}
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_run_that_wrote_into_the_workdir_while_this_one_started_is_left_alone(tmp_path, monkeypatch, resume):
+    """The check for an earlier run's files came only at start-up, the workdir's lock long after
+    (data, model): a second `jaxport train` into the same workdir, whose data loading outlasted
+    the first run, truncated that run's metrics.jsonl and rotated its checkpoints away (leaving
+    steps of two seeds side by side). The run here is that second one; the first writes its files
+    while the second builds its model."""
+    from jaxport.train import _checkpoint
+
+    work = tmp_path / "w"
+    make_mesh = _loop.make_mesh
+
+    def mesh_while_another_run_ends(*args, **kwargs):
+        # Called after loading the data and after --resume's first look at the checkpoints.
+        out = make_mesh(*args, **kwargs)
+        # The other run, meanwhile: its checkpoint step 2 and its first epoch's row.
+        mngr = _checkpoint.manager(str(work), 3)
+        _checkpoint.save(mngr, 2, {"step": np.int32(2), "params": {"w": np.ones(4, np.float32)}},
+                         {"arch": "resnet18", "epoch_sums": [0.0, 0.0, 0.0]})
+        mngr.close()
+        (work / "metrics.jsonl").write_text(json.dumps({"epoch": 0, "train_loss": 2.0, "train_acc": 0.5,
+                                                        "val_loss": 2.5, "val_acc": 0.4}) + "\n")
+        planted.update(_snapshot(work))
+        return out
+
+    planted = {}
+
+    monkeypatch.setattr(_loop, "make_mesh", mesh_while_another_run_ends)
+    want = (rf"--resume: `--workdir` \(={work}\) held no checkpoint when this run started, and checkpoint step 2 "
+            "once it had the workdir to itself: another run wrote into it meanwhile; run the command again"
+            if resume else
+            rf"`--workdir` \(={work}\) already holds checkpoints/ \(latest step 2\), metrics.jsonl from an earlier "
+            r"run; pass --resume to continue it, or choose a new directory \(nothing was changed\)")
+    with pytest.raises(ConfigError, match=want):
+        train(_cfg(work, None, resume=resume))
+    assert "metrics.jsonl" in planted and any(f.startswith("checkpoints") for f in planted), planted
+    assert _snapshot(work) == planted  # every file of the other run as it wrote it, and nothing more
+    assert sorted(os.listdir(work / "checkpoints")) == ["2"]
+
+
+def test_resume_refuses_a_checkpoint_that_changed_between_start_up_and_the_lock(tmp_path):
+    """A resumed run builds its state (zero placeholders, checks) for the checkpoint it finds at
+    start-up: one saved, or saved anew, before it holds the workdir's lock is not the one checked."""
+    from jaxport.train import _checkpoint
+
+    work = tmp_path / "w"
+    mngr = _checkpoint.manager(str(work), 3)
+    for step in (2, 4):
+        _checkpoint.save(mngr, step, {"w": np.full(4, step, np.float32)}, {"arch": "resnet18", "seed": 0})
+    mngr.close()
+    cfg = _cfg(work, None, resume=True)
+    meta = _checkpoint.peek_meta(str(work), 4)
+    _loop._refuse_changed_since_start(cfg, 4, meta)  # unchanged
+    with pytest.raises(ConfigError, match=rf"`--workdir` \(={work}\) held checkpoint step 2 when this run started, "
+                                          "and checkpoint step 4 once"):
+        _loop._refuse_changed_since_start(cfg, 2, _checkpoint.peek_meta(str(work), 2))
+    with pytest.raises(ConfigError, match=r"held checkpoint step 4 when this run started, and a checkpoint step 4 "
+                                          "written anew once it had the workdir to itself"):
+        _loop._refuse_changed_since_start(cfg, 4, meta | {"seed": 1})

@@ -208,8 +208,21 @@ def _check_workdir(cfg: TrainConfig) -> None:
         fd = _hold_workdir(work, shared=True)
         if fd is not None:
             os.close(fd)
-    if cfg.resume or not os.path.isdir(work):
+    if not cfg.resume:
+        _refuse_earlier_run(cfg.workdir)
+
+
+def _refuse_earlier_run(workdir: str) -> None:
+    """Refuse a fresh run into `workdir` where an earlier run's files are (`_check_workdir`).
+
+    Asked at start-up, and again by the run's first process once it holds the workdir's lock:
+    another run could write its files in between (its data scan or --init load was that slow),
+    and this one would then have truncated its metrics.jsonl and rotated its checkpoints away.
+    """
+    work = os.path.realpath(workdir)
+    if not os.path.isdir(work):
         return
+    ckpt = os.path.join(work, "checkpoints")
     # (An empty metrics.jsonl, a run stopped by a full disk as it appended its first row, holds
     # nothing either.)
     held = [n for n in OUTPUTS if os.path.exists(path := os.path.join(work, n))
@@ -219,8 +232,30 @@ def _check_workdir(cfg: TrainConfig) -> None:
         steps = [int(n) for n in kept if n.isdigit()]
         held.insert(0, "checkpoints/" + (f" (latest step {max(steps)})" if steps else ""))
     if held:
-        raise ConfigError(f"`--workdir` (={cfg.workdir}) already holds {', '.join(held)} from an earlier run; pass "
+        raise ConfigError(f"`--workdir` (={workdir}) already holds {', '.join(held)} from an earlier run; pass "
                           "--resume to continue it, or choose a new directory (nothing was changed)")
+
+
+def _refuse_changed_since_start(cfg: TrainConfig, step: int | None, meta: dict | None) -> None:
+    """Under the workdir's lock, refuse a run whose workdir another run wrote into since start-up.
+
+    A fresh run repeats the check for an earlier run's files. A resumed one compares the latest
+    checkpoint with the one it found at start-up (`step`, `meta`): its weights (zero placeholders
+    when one was found) and its checks were made for that one, and a run that finished meanwhile
+    would be resumed from a checkpoint this one never looked at.
+    """
+    if not cfg.resume:
+        _refuse_earlier_run(cfg.workdir)
+        return
+    now = _latest_step(cfg.workdir)
+    if now is None and step is not None:
+        return  # gone altogether: said below, where the restore finds no checkpoint
+    if now != step or (now is not None and _checkpoint.peek_meta(cfg.workdir, now) != meta):
+        was = "no checkpoint" if step is None else f"checkpoint step {step}"
+        is_ = f"checkpoint step {now}" if now != step else f"a checkpoint step {now} written anew"
+        raise ConfigError(f"--resume: `--workdir` (={cfg.workdir}) held {was} when this run started, and {is_} "
+                          "once it had the workdir to itself: another run wrote into it meanwhile; run the command "
+                          "again to resume from the checkpoint there now (nothing was changed)")
 
 
 def _read_metrics(path: str, torn_ok: bool = False) -> list[dict]:
@@ -779,6 +814,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     os.makedirs(cfg.workdir, exist_ok=True)
     if lead:  # process 0 writes for the whole run; the others share its lock
         held += [fd for fd in [_hold_workdir(cfg.workdir)] if fd is not None]
+        # Once more, now that no other run can start writing: the check at start-up came before
+        # loading the data and building the model (minutes for a large --data), time enough for
+        # another run to write there and end. (Process 0 alone, as with the lock: its error
+        # reaches the others through `_distributed.publish_failure`.)
+        _refuse_changed_since_start(cfg, resumed_step, resumed_meta)
     _distributed.check_shared_workdir(cfg.workdir)
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
     if lead:  # what a SIGKILL during an earlier run's metrics, plot or variables write left
