@@ -346,3 +346,28 @@ def test_resume_refuses_a_checkpoint_that_changed_between_start_up_and_the_lock(
     with pytest.raises(ConfigError, match=r"held checkpoint step 4 when this run started, and a checkpoint step 4 "
                                           "written anew once it had the workdir to itself"):
         _loop._refuse_changed_since_start(cfg, 4, meta | {"seed": 1})
+
+
+def test_the_lock_waits_out_another_runs_early_check(tmp_path):
+    """A run starting into the same workdir holds a shared lock for an instant (its early check
+    for a live run): this run's exclusive lock, asked at that instant, was refused with "in use by
+    another run", though no run was training there. A lock held throughout still refuses."""
+    import fcntl
+    import threading
+
+    work = tmp_path / "w"
+    work.mkdir()
+    other = os.open(work, os.O_RDONLY)
+    release = threading.Timer(0.2, fcntl.flock, (other, fcntl.LOCK_UN))
+    try:
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        release.start()
+        fd = _loop._hold_workdir(str(work))
+        assert fd is not None
+        os.close(fd)
+        fcntl.flock(other, fcntl.LOCK_SH | fcntl.LOCK_NB)  # held this time
+        with pytest.raises(ConfigError, match=rf"`--workdir` \(={work}\) is in use by another `jaxport train` run"):
+            _loop._hold_workdir(str(work))
+    finally:
+        release.join()
+        os.close(other)

@@ -702,6 +702,9 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
             os.close(fd)
 
 
+_LOCK_WAIT_S = 1.0  # how long `_hold_workdir` tries the exclusive lock before refusing
+
+
 def _hold_workdir(workdir: str, shared: bool = False) -> int | None:
     """An exclusive lock on the workdir for as long as this run writes in it (released when the
     process ends, even by SIGKILL). Two runs started together into one empty workdir both
@@ -712,17 +715,24 @@ def _hold_workdir(workdir: str, shared: bool = False) -> int | None:
         fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:  # a directory that cannot be opened for reading: the check for earlier files remains
         return None
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise ConfigError(f"`--workdir` (={workdir}) is in use by another `jaxport train` run on this machine; wait "
-                          "for it to end (then --resume continues it), or choose another --workdir (nothing was "
-                          "written)") from None
-    except OSError:  # a file system without locks: the check for an earlier run's files remains
-        os.close(fd)
-        return None
-    return fd
+    # The exclusive lock is tried for a moment: a run starting into the same workdir holds the
+    # shared one of its early check for an instant, and refused this run as if a live run held it.
+    deadline = time.monotonic() + (0.0 if shared else _LOCK_WAIT_S)
+    while True:
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            os.close(fd)
+            raise ConfigError(f"`--workdir` (={workdir}) is in use by another `jaxport train` run on this machine; "
+                              "wait for it to end (then --resume continues it), or choose another --workdir (nothing "
+                              "was written)") from None
+        except OSError:  # a file system without locks: the check for an earlier run's files remains
+            os.close(fd)
+            return None
 
 
 def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int]) -> dict:
