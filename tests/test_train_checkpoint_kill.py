@@ -172,6 +172,39 @@ def test_export_reads_the_newer_step_when_the_run_rotates_the_listed_one_away(tm
     assert sorted(os.listdir(work / "checkpoints")) == ["2"]  # the reader wrote and deleted nothing
 
 
+def test_export_waits_for_the_newer_step_when_the_read_fails_before_the_rotation_shows(tmp_path, monkeypatch):
+    """An export while `jaxport train --keep-checkpoints 1` saved a step a second failed reading
+    step 42 ("Truncated Zstd-compressed stream": its files were being deleted) before step 43 was
+    listed: "step 42 cannot be read; it is the only checkpoint" (1 run in 3 of a probe), and
+    checkpoints/ held 43 right after. The listing is watched for a moment after a failed read."""
+    import threading
+
+    work = _workdir(tmp_path, [1], keep=1)
+    read, calls = _checkpoint._read_as_saved, []
+
+    def save_step_2():  # the run, a moment after the read failed: step 2 saved, step 1 rotated away
+        trainer = _checkpoint.manager(str(work), 1)
+        _checkpoint.save(trainer, 2, _state(2), {"arch": "resnet18", "epoch_sums": [0.0, 0.0, 0.0]})
+        trainer.close()
+
+    run = threading.Timer(0.3, save_step_2)
+
+    def racing(mngr, step):
+        calls.append(step)
+        if len(calls) == 1:
+            run.start()
+            raise ValueError("FAILED_PRECONDITION: Error reading \"params.w/0\": Truncated Zstd-compressed stream")
+        return read(mngr, step)
+
+    monkeypatch.setattr(_checkpoint, "_read_as_saved", racing)
+    try:
+        variables, arch = load_workdir(str(work))
+    finally:
+        run.join()
+    assert calls == [1, 2] and arch == "resnet18"
+    np.testing.assert_array_equal(variables["params"]["w"], _state(2)["params"]["w"])
+
+
 def _rotation_after_next_listing(monkeypatch):
     """Orbax's listing of the step directories, where a live run's rotation deletes the oldest
     step listed right after the next listing once `armed` holds True, before orbax reads that

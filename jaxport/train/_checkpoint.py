@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from typing import Any, Callable, Iterator, TypeVar
 
 import jax
@@ -44,6 +45,7 @@ TMP_DIR_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # of a step orbax is writing: `<step>
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
 _T = TypeVar("_T")
 _READ_TRIES = 5  # listings, and reads of the newest step, by `load_workdir` while a run may rotate them
+_ROTATION_WAIT_S = 2.0  # how long `load_workdir` watches for a rotation after a failed read
 # Files and directories a save makes, per process, asked of the file system first: 20-28 in a
 # ResNet-18's step (orbax's metadata files and a dozen OCDBT data files cut by tensorstore's
 # writer threads; each process of a run adds its own `ocdbt.process_N/` tree). Generous: it is
@@ -261,6 +263,26 @@ def _read_as_saved(mngr: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
     return out["state"], dict(out["meta"] or {})
 
 
+def _rotated(path: str, listed: list[int]) -> bool:
+    """Whether the steps in `path` change from `listed` within `_ROTATION_WAIT_S`, after a read of
+    the newest of them failed: a live run's rotation (its newer step saved, then the one being
+    read deleted) rather than a damaged step. The read can fail before that step's directory is
+    gone, and before the newer step is listed (a truncated array file, 1 export in 3 against
+    --keep-checkpoints 1): asked once, the newest step was blamed though the run had moved on."""
+    deadline = time.monotonic() + _ROTATION_WAIT_S
+    while True:
+        try:
+            now = sorted(ocp.utils.checkpoint_steps(path))
+        except OSError:  # a step deleted while it was listed
+            now = None
+        # (An empty listing waits for the newer step, which orbax may not have renamed into place yet.)
+        if now and now != listed:
+            return True
+        if time.monotonic() >= deadline:
+            return now != listed
+        time.sleep(0.05)
+
+
 def _reads(mngr: ocp.CheckpointManager, step: int) -> bool:
     """Whether checkpoint `step` reads whole (only asked on the way to an error: it reads every array)."""
     # Orbax logs a warning (on stderr, beside the CLI's one-line error) for each item it cannot
@@ -372,13 +394,16 @@ def read_latest(workdir: str) -> tuple[dict, str | None, int]:
             except Exception as e:  # noqa: BLE001
                 # A run still training into `workdir` deletes its oldest step once a newer one is
                 # saved: with --keep-checkpoints 1 an export made meanwhile found the step it had
-                # listed gone midway (6 of 12 exports), and called it unreadable. A newer step
-                # means that race, not damage: read the newest again.
-                _listing(path, mngr.reload)  # the rotation may delete another step meanwhile
-                newer = sorted(s for s in mngr.all_steps() if s > steps[-1])
-                if not newer or attempt + 1 == _READ_TRIES:
+                # listed gone midway (6 of 12 exports), and called it unreadable. A listing that
+                # changes means that race, not damage: read the newest again.
+                if not _rotated(path, steps) or attempt + 1 == _READ_TRIES:
                     raise _unreadable(mngr, steps[-1], e, reading=instead) from None
-                steps = newer
+                failed = steps[-1]
+                _listing(path, mngr.reload)  # the rotation may delete another step meanwhile
+                steps = sorted(mngr.all_steps())
+                if not steps:
+                    raise CheckpointError(f"checkpoint step {failed} in {path} was deleted while it was read, and no "
+                                          "other is there: try again once a checkpoint is saved" + instead) from None
         variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
     finally:
         mngr.close()  # its threads would outlive an error (the CLI drops their asyncio leftovers)
