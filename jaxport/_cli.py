@@ -9,11 +9,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import inspect
-import logging
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -24,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from ._abandoned_reads import ABANDONED_READS, is_abandoned_read, quiet_abandoned_reads
 from ._args import shell_word
 from ._parser import Parser, shown
 from ._errors import ConfigError, JaxportError
@@ -732,43 +730,16 @@ def _one_line_warnings(message, category, filename, lineno, file=None, line=None
     print(f"jaxport: warning: {message}", file=sys.stderr)
 
 
-class _AbandonedCheckpointReads(logging.Filter):
-    """Drops asyncio's "Future/Task exception was never retrieved" for orbax's and
-    tensorstore's reads. Once one array of a damaged checkpoint fails, orbax raises that error
-    (the command's one line) and leaves its other reads pending; each was logged with
-    tensorstore's whole spec as it was collected (hundreds of lines after the error, in 1 run of
-    3 of tests/test_train_loop.py's damaged-workdir export)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        # Future, Task or _GatheringFuture (asyncio.gather's, as orbax reads arrays)
-        if not re.match(r"\w*(Future|Task) exception was never retrieved", str(record.msg)) or not record.exc_info:
-            return True
-        error, tb = record.exc_info[1], record.exc_info[2]
-        if "OCDBT" in str(error) or "TensorStore" in str(error):
-            return False
-        while tb is not None:
-            if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-                return False
-            tb = tb.tb_next
-        return True
-
-
-_ABANDONED_READS = _AbandonedCheckpointReads()
+_ABANDONED_READS = ABANDONED_READS  # (the filter's home is `_abandoned_reads`, which load_workdir uses too)
 
 
 def _drop_closed_loop_callbacks(hook=sys.unraisablehook):
-    """After a checkpoint read fails (a corrupt file), tensorstore's other pending reads finish
-    later and call back into orbax's event loop, already closed: each printed an "Exception
-    ignored ... RuntimeError: Event loop is closed" traceback (up to hundreds of lines after the
-    one-line error). Those callbacks have nothing left to deliver; anything else still shows."""
+    """`hook` without the leftovers of failed checkpoint reads (`_abandoned_reads`: up to
+    hundreds of lines after the one-line error), and with a signal that lands in a callback
+    delivered again; anything else still shows."""
 
     def unraisable(u):
-        if u.exc_type is RuntimeError and str(u.exc_value) == "Event loop is closed":
-            return
-        if inspect.iscoroutine(u.object) and isinstance(getattr(u.exc_value, "__cause__", None), GeneratorExit):
-            # A coroutine that turned its closing into an error: orbax's array reads catch
-            # BaseException, so each read left pending by a failed checkpoint read printed its
-            # error with tensorstore's whole spec as it was collected (~1,400 lines in a probe).
+        if is_abandoned_read(u):
             return
         if u.exc_type is not None and issubclass(u.exc_type, KeyboardInterrupt):
             # Ctrl-C (or SIGTERM, raised as `Terminated`) landed in a callback Python cannot
@@ -782,6 +753,7 @@ def _drop_closed_loop_callbacks(hook=sys.unraisablehook):
             return
         hook(u)
 
+    unraisable.drops_abandoned_reads = True  # `quiet_abandoned_reads` (load_workdir) keeps it as it is
     return unraisable
 
 
@@ -833,10 +805,7 @@ def _modules_for(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _main(argv: Sequence[str] | None) -> int:
     warnings.showwarning = _one_line_warnings
-    logging.getLogger("asyncio").addFilter(_ABANDONED_READS)  # once: adding it again is a no-op
-    # The same reads' coroutines that never started, collected after the error (1 run in 3).
-    warnings.filterwarnings("ignore", r"coroutine '_read_array_index_and_device_put' was never awaited",
-                            RuntimeWarning)
+    quiet_abandoned_reads()
     sys.unraisablehook = _drop_closed_loop_callbacks()
     with _signals_held():
         from ._io import sigterm_as_interrupt

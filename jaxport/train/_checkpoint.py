@@ -27,6 +27,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from .._abandoned_reads import quiet_abandoned_reads
 from .._errors import CheckpointError
 from .._io import free_inodes, require_space
 
@@ -372,6 +373,9 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
 def read_latest(workdir: str) -> tuple[dict, str | None, int]:
     """`load_workdir`'s `(variables, arch)` and the step they were read from (a run still
     training into `workdir` may have moved on from the step that was newest when it was listed)."""
+    # A read that fails (damage, or a run rotating the step away) leaves orbax's other reads
+    # pending: thousands of lines on stderr as they end, after the error that says it all.
+    quiet_abandoned_reads()
     path = checkpoint_dir(workdir)
     final = os.path.join(workdir, FINAL_VARIABLES)
     instead = f"; its final weights are in {final} (jaxport export can read it)" if os.path.isfile(final) else ""
