@@ -410,6 +410,6 @@ def read_latest(workdir: str) -> tuple[dict, str | None, int]:
                                           "other is there: try again once a checkpoint is saved" + instead) from None
         variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
     finally:
-        mngr.close()  # its threads would outlive an error (the CLI drops their asyncio leftovers)
+        mngr.close()  # its threads would outlive an error (`quiet_abandoned_reads` drops their leftovers)
     arch = meta.get("arch")
     return jax.tree.map(np.asarray, variables), arch if isinstance(arch, str) and arch else None, steps[-1]
