@@ -717,12 +717,14 @@ def _hold_workdir(workdir: str, shared: bool = False) -> int | None:
         return None
     # The exclusive lock is tried for a moment: a run starting into the same workdir holds the
     # shared one of its early check for an instant, and refused this run as if a live run held it.
-    deadline = time.monotonic() + (0.0 if shared else _LOCK_WAIT_S)
+    deadline = None  # (the clock is read only once the lock is refused)
     while True:
         try:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
             return fd
         except BlockingIOError:
+            if deadline is None:
+                deadline = time.monotonic() + (0.0 if shared else _LOCK_WAIT_S)
             if time.monotonic() < deadline:
                 time.sleep(0.05)
                 continue
