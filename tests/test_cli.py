@@ -186,7 +186,7 @@ def test_a_checkpoint_holding_nan_or_inf_is_said_by_port_and_verify(tmp_path, ca
     """A diverged run's checkpoint ported silently, and verify failed it "beyond tolerance" with a
     relative error of inf, as if the port were wrong. Both now name the tensors, and verify says
     the port is an exact copy while no output check can pass."""
-    sd = reference("resnet18").state_dict()
+    sd = {k: v.clone() for k, v in reference("resnet18").state_dict().items()}  # (the reference is shared)
     sd["layer2.0.conv1.weight"][0, 0, 0, :2] = torch.tensor([float("nan"), float("inf")])
     sd["bn1.running_var"][3] = float("nan")
     ckpt = tmp_path / "diverged.pth"

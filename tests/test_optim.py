@@ -85,7 +85,7 @@ L = torch.optim.lr_scheduler
     ("multistep", lambda o: L.MultiStepLR(o, [5, 12, 12, 40], 0.5), lambda: optim.multistep_lr(0.1, [5, 12, 12, 40], 0.5)),
     ("cosine", lambda o: L.CosineAnnealingLR(o, 17), lambda: optim.cosine_annealing_lr(0.1, 17)),
     ("cosine_eta_min", lambda o: L.CosineAnnealingLR(o, 10, eta_min=1e-3), lambda: optim.cosine_annealing_lr(0.1, 10, 1e-3)),
-    ("linear", lambda o: L.LinearLR(o, start_factor=0.1, total_iters=9), lambda: optim.linear_warmup(0.1, 9, 0.1)),
+    ("linear", lambda o: L.LinearLR(o, start_factor=0.1, total_iters=9), lambda: optim.linear_warmup(0.1, total_iters=9, start_factor=0.1)),
 ])
 def test_schedules_match_torch(name, make_torch, make_ours):
     n = 100  # past T_max: torch's cosine recursion rises again; ours follows it
@@ -135,7 +135,7 @@ def test_refuses_what_torch_refuses_and_nan(make, torch_make, name):
     (lambda o: L.MultiStepLR(o, [15_000, 30_000, 30_000], 0.5), lambda: optim.multistep_lr(0.1, [30_000, 15_000, 30_000], 0.5)),
     (lambda o: L.CosineAnnealingLR(o, 25_000, eta_min=1e-4), lambda: optim.cosine_annealing_lr(0.1, 25_000, 1e-4)),
     (lambda o: L.CosineAnnealingLR(o, 700), lambda: optim.cosine_annealing_lr(0.1, 700)),
-    (lambda o: L.LinearLR(o, start_factor=0.01, total_iters=20_000), lambda: optim.linear_warmup(0.1, 20_000, 0.01)),
+    (lambda o: L.LinearLR(o, start_factor=0.01, total_iters=20_000), lambda: optim.linear_warmup(0.1, total_iters=20_000, start_factor=0.01)),
 ])
 def test_per_step_schedules_hold_far_beyond_ten_thousand_steps(make_torch, make_ours):
     """Stepped per step, as ImageNet runs do (hundreds of thousands of steps): the schedules
@@ -163,7 +163,7 @@ def test_per_step_schedules_hold_far_beyond_ten_thousand_steps(make_torch, make_
 def test_linear_warmup_of_zero_iterations_holds_the_start_value_as_torch():
     want = torch_lrs(lambda o: L.LinearLR(o, start_factor=0.25, total_iters=0), 5)
     with jax.enable_x64(True):
-        got = [float(optim.linear_warmup(0.1, 0, 0.25)(jnp.asarray(i))) for i in range(5)]
+        got = [float(optim.linear_warmup(0.1, total_iters=0, start_factor=0.25)(jnp.asarray(i))) for i in range(5)]
     np.testing.assert_allclose(got, want, rtol=1e-15)
 
 
@@ -189,7 +189,11 @@ def test_adamw_maximize_matches_torch():
     (lambda: optim.step_lr(0.1, 2.5), "`step_size` (=2.5) must be a whole number >= 1"),
     (lambda: optim.step_lr(float("nan"), 3), "`base_lr` (=nan) must be a finite number >= 0"),
     (lambda: optim.cosine_annealing_lr(-0.1, 3), "`base_lr` (=-0.1) must be a finite number >= 0"),
-    (lambda: optim.linear_warmup(0.1, -1), "`total_iters` (=-1) must be a whole number >= 0"),
+    (lambda: optim.linear_warmup(0.1, total_iters=-1), "`total_iters` (=-1) must be a whole number >= 0"),
+    # torch's LinearLR(opt, 1.0, 0.5, 1), a decay, translated by position: was a warm-up from 0.05
+    (lambda: optim.linear_warmup(0.1, 1.0, 0.5, 1), "linear_warmup takes start_factor, end_factor and total_iters "
+                                                    "as keywords, as torch's LinearLR(optimizer, start_factor, "
+                                                    "end_factor, total_iters) names them (got (1.0, 0.5, 1) by"),
     # These were accepted and failed at the first update (or never: a NaN gamma did not decay),
     # with errors naming no argument.
     (lambda: optim.per_epoch(optim.step_lr(0.1, 2), 2.5), "`steps_per_epoch` (=2.5) must be a whole number >= 1"),
@@ -199,7 +203,7 @@ def test_adamw_maximize_matches_torch():
     (lambda: optim.step_lr(0.1, 2, gamma=float("nan")), "`gamma` (=nan) must be a finite number"),
     (lambda: optim.multistep_lr(0.1, [2], gamma=None), "`gamma` (=None) must be a finite number"),
     (lambda: optim.cosine_annealing_lr(0.1, 5, eta_min=None), "`eta_min` (=None) must be a finite number"),
-    (lambda: optim.linear_warmup(0.1, 5, start_factor=None), "`start_factor` (=None) must be a finite number"),
+    (lambda: optim.linear_warmup(0.1, total_iters=5, start_factor=None), "`start_factor` (=None) must be a finite number"),
     # A schedule where optax takes none: float() of a function (sgd), or a failure at the first update (adamw).
     (lambda: optim.sgd(0.1, momentum=lambda step: 0.9), "`momentum` (=<function"),
     (lambda: optim.adamw(0.1, eps=lambda step: 1e-8), "`eps` (=<function"),

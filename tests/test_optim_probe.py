@@ -313,10 +313,10 @@ def _ours(sched, n):
     (lambda o: L.CosineAnnealingLR(o, 3, 0.05), lambda lr: optim.cosine_annealing_lr(lr, 3, 0.05), 0.1),
     (lambda o: L.CosineAnnealingLR(o, 5, 0.5), lambda lr: optim.cosine_annealing_lr(lr, 5, 0.5), 0.1),  # eta_min > lr
     (lambda o: L.CosineAnnealingLR(o, 5), lambda lr: optim.cosine_annealing_lr(lr, 5), 0.0),
-    (lambda o: L.LinearLR(o, 0.5, 1.0, 4), lambda lr: optim.linear_warmup(lr, 4, 0.5, 1.0), 0.1),
-    (lambda o: L.LinearLR(o, 1.0, 0.5, 4), lambda lr: optim.linear_warmup(lr, 4, 1.0, 0.5), 0.1),  # a decay
-    (lambda o: L.LinearLR(o, 0.01, 0.0, 6), lambda lr: optim.linear_warmup(lr, 6, 0.01, 0.0), 0.1),
-    (lambda o: L.LinearLR(o, 0.3, 0.7, 1), lambda lr: optim.linear_warmup(lr, 1, 0.3, 0.7), 0.1),
+    (lambda o: L.LinearLR(o, 0.5, 1.0, 4), lambda lr: optim.linear_warmup(lr, total_iters=4, start_factor=0.5, end_factor=1.0), 0.1),
+    (lambda o: L.LinearLR(o, 1.0, 0.5, 4), lambda lr: optim.linear_warmup(lr, total_iters=4, start_factor=1.0, end_factor=0.5), 0.1),  # a decay
+    (lambda o: L.LinearLR(o, 0.01, 0.0, 6), lambda lr: optim.linear_warmup(lr, total_iters=6, start_factor=0.01, end_factor=0.0), 0.1),
+    (lambda o: L.LinearLR(o, 0.3, 0.7, 1), lambda lr: optim.linear_warmup(lr, total_iters=1, start_factor=0.3, end_factor=0.7), 0.1),
 ])
 def test_schedule_edge_cases_match_torch(make_torch, make_ours, lr):
     """Past T_max the cosine rises again in torch's recursion, as here (60 steps)."""
@@ -334,7 +334,7 @@ def test_join_schedules_is_sequential_lr(warmup, make_torch, make_ours):
     there is the second schedule's start, not the warm-up's end); `optax.join_schedules` does
     the same, with the milestone as its boundary."""
     want = torch_lrs(lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, warmup), make_torch(o)], [warmup]), 40)
-    got = _ours(optax.join_schedules([optim.linear_warmup(0.1, warmup, 0.1), make_ours()], [warmup]), 40)
+    got = _ours(optax.join_schedules([optim.linear_warmup(0.1, total_iters=warmup, start_factor=0.1), make_ours()], [warmup]), 40)
     np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
 
 
@@ -367,8 +367,8 @@ def test_per_epoch_sgd_run_matches_torch_stepping_its_scheduler_each_epoch():
     (lambda p: torch.optim.AdamW(p, betas=(0.9, 1.0)), lambda: optim.adamw(betas=(0.9, 1.0)), "`betas` (=(0.9, 1.0)) must both be in [0, 1)"),
     (lambda p: torch.optim.AdamW(p, betas=(float("nan"), 0.9)), lambda: optim.adamw(betas=(float("nan"), 0.9)), "must both be in [0, 1)"),
     (lambda p: torch.optim.AdamW(p, eps=float("nan")), lambda: optim.adamw(eps=float("nan")), "`eps` (=nan)"),
-    (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.0), lambda: optim.linear_warmup(0.1, 5, 0.0), "`start_factor` (=0.0) must be in (0, 1]"),
-    (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.5, 1.5), lambda: optim.linear_warmup(0.1, 5, 0.5, 1.5), "`end_factor` (=1.5) in [0, 1]"),
+    (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.0), lambda: optim.linear_warmup(0.1, total_iters=5, start_factor=0.0), "`start_factor` (=0.0) must be in (0, 1]"),
+    (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.5, 1.5), lambda: optim.linear_warmup(0.1, total_iters=5, start_factor=0.5, end_factor=1.5), "`end_factor` (=1.5) in [0, 1]"),
 ])
 def test_refuses_what_torch_refuses_with_the_argument_named(make_torch, call, message):
     with pytest.raises(ValueError):
@@ -556,7 +556,7 @@ def test_cosine_t_max_past_its_limit_is_refused_naming_it():
     (lambda o: L.StepLR(o, 2, 0.5), lambda: optim.step_lr(0.1, 2, 0.5)),
     (lambda o: L.MultiStepLR(o, [2, 5], 0.5), lambda: optim.multistep_lr(0.1, [2, 5], 0.5)),
     (lambda o: L.CosineAnnealingLR(o, 7), lambda: optim.cosine_annealing_lr(0.1, 7)),
-    (lambda o: L.LinearLR(o, 0.25, 1.0, 4), lambda: optim.linear_warmup(0.1, 4, 0.25)),
+    (lambda o: L.LinearLR(o, 0.25, 1.0, 4), lambda: optim.linear_warmup(0.1, total_iters=4, start_factor=0.25)),
 ])
 def test_schedules_take_a_whole_float_step_and_refuse_a_fractional_one(make_torch, make_ours):
     """Regression: `sched(3.0)` failed with "Indexer must have integer type". torch's scheduler

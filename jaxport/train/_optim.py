@@ -552,14 +552,21 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     return _lookup(lrs, lambda count: count, closed_form)
 
 
-def linear_warmup(base_lr: float, total_iters: int = 5, start_factor: float = 1.0 / 3,
-                  end_factor: float = 1.0) -> Schedule:
+def linear_warmup(base_lr: float, *positional, start_factor: float = 1.0 / 3, end_factor: float = 1.0,
+                  total_iters: int = 5) -> Schedule:
     """torch's `LinearLR(start_factor, end_factor, total_iters)`: linear warm-up, recursively.
 
     Exact at every step: the lr is constant after `total_iters` (with `total_iters=0`, at
     `start_factor * base_lr`, as torch). Combine with a decay the way torch's `SequentialLR`
     does, with `optax.join_schedules([linear_warmup(...), cosine_annealing_lr(...)], [total_iters])`.
+    The factors and `total_iters` are keywords: torch's positional order differs from the one
+    this function had (total_iters first), and `LinearLR(opt, 1.0, 0.5, 1)` translated by
+    position was a warm-up from 0.05 instead of a decay from 0.1.
     """
+    if positional:
+        raise ConfigError(f"linear_warmup takes start_factor, end_factor and total_iters as keywords, as torch's "
+                          f"LinearLR(optimizer, start_factor, end_factor, total_iters) names them (got {positional} "
+                          f"by position): linear_warmup({base_lr!r}, start_factor=..., end_factor=..., total_iters=...)")
     base_lr = _check_base_lr(base_lr)
     start_factor, end_factor = finite("start_factor", start_factor), finite("end_factor", end_factor)
     if not (0 < start_factor <= 1 and 0 <= end_factor <= 1):
