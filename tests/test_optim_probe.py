@@ -264,6 +264,67 @@ def test_frozen_parameters_as_set_to_zero_match_torch_none_grad(make_torch, make
     assert not np.allclose(plain["b"], want["b"])
 
 
+# --- torch's clip_grad_norm_ ----------------------------------------------------------------------
+
+def _torch_clipped_run(params, grads, max_norm, norm_type, no_grad=()):
+    """torch's SGD (momentum, decay) with `clip_grad_norm_` over the parameters before each step."""
+    tp = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
+    opt = torch.optim.SGD(list(tp.values()), lr=0.1, momentum=0.9, weight_decay=0.01)
+    for g in grads:
+        for k, p in tp.items():
+            p.grad = None if k in no_grad else torch.tensor(g[k], dtype=torch.float64)
+        torch.nn.utils.clip_grad_norm_(list(tp.values()), max_norm, norm_type)
+        opt.step()
+    return {k: p.detach().numpy() for k, p in tp.items()}
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, float("inf")])
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])  # clipping every step; never
+def test_clip_grad_norm_matches_torch(max_norm, norm_type):
+    """`optax.clip_by_global_norm` scales by max_norm / norm, torch by max_norm / (norm + 1e-6):
+    ~1e-7 relative apart here on every clipped step, beyond float64 parity (checked below, so
+    the comparison can tell them apart)."""
+    params, grads = _data(10)
+    want = _torch_clipped_run(params, grads, max_norm, norm_type)
+    with jax.enable_x64(True):
+        got = _optax_run(optax.chain(optim.clip_grad_norm(max_norm, norm_type),
+                                     optim.sgd(0.1, momentum=0.9, weight_decay=0.01)), params, grads)
+        _assert_same(got, want)
+        if max_norm < 1 and norm_type == 2.0:
+            optax_clip = _optax_run(optax.chain(optax.clip_by_global_norm(max_norm),
+                                                optim.sgd(0.1, momentum=0.9, weight_decay=0.01)), params, grads)
+            assert not np.allclose(optax_clip["w"], want["w"], rtol=1e-10, atol=0)
+
+
+def test_clip_grad_norm_with_frozen_parameters_as_documented_matches_torch():
+    """torch leaves a frozen parameter (`.grad` None) out of the norm. Chained before a
+    `multi_transform` that freezes it, the clip counted its gradient: every step off torch. The
+    documented recipe zeroes it first."""
+    params, grads = _data(6)
+    want = _torch_clipped_run(params, grads, 0.5, 2.0, no_grad=("b",))
+    frozen = optax.multi_transform({"train": optim.sgd(0.1, momentum=0.9, weight_decay=0.01),
+                                    "frozen": optax.set_to_zero()}, {"w": "train", "b": "frozen"})
+    with jax.enable_x64(True):
+        recipe = optax.chain(optax.masked(optax.set_to_zero(), {"w": False, "b": True}), optim.clip_grad_norm(0.5),
+                             frozen)
+        _assert_same(_optax_run(recipe, params, grads), want)
+        naive = _optax_run(optax.chain(optim.clip_grad_norm(0.5), frozen), params, grads)
+    assert not np.allclose(naive["w"], want["w"], rtol=1e-6)
+    np.testing.assert_array_equal(want["b"], params["b"])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_norm=-1.0), "`max_norm` (=-1.0) must be a finite number >= 0"),
+    (dict(max_norm=float("nan")), "`max_norm` (=nan) must be a finite number >= 0"),
+    (dict(max_norm=1.0, norm_type=0), "`norm_type` (=0) must be a number > 0"),
+    (dict(max_norm=1.0, norm_type="fro"), "`norm_type` (='fro') must be a number > 0"),
+])
+def test_clip_grad_norm_refuses_bad_arguments_naming_them(kw, message):
+    with pytest.raises(ConfigError) as e:
+        optim.clip_grad_norm(**kw)
+    assert message in str(e.value)
+
+
 # --- low-precision parameters --------------------------------------------------------------------
 
 @pytest.mark.parametrize("tdtype, jdtype, tol", [

@@ -1,6 +1,7 @@
 """torch.optim equivalents as optax transformations and schedules.
 
-`sgd` and `adamw` reproduce `torch.optim.SGD` / `torch.optim.AdamW` update for update;
+`sgd` and `adamw` reproduce `torch.optim.SGD` / `torch.optim.AdamW` update for update, and
+`clip_grad_norm` torch's `clip_grad_norm_`;
 `step_lr`, `multistep_lr`, `cosine_annealing_lr` and `linear_warmup` reproduce torch's
 `StepLR`, `MultiStepLR`, `CosineAnnealingLR` and `LinearLR` values exactly. They are pure optax
 (implemented in `jaxport.train._optim`, so the JAX training loop needs no torch).
@@ -15,9 +16,13 @@ torch idioms, the optax way (each checked against torch in tests/test_optim_prob
   `state.hyperparams["learning_rate"]`;
 * `scheduler.step()` per epoch: `per_epoch(schedule, steps_per_epoch)`;
 * `SequentialLR([warm-up, decay], [n])`: `optax.join_schedules([linear_warmup(...), decay], [n])`
-  (the decay restarts at its step 0 at the milestone, as in torch).
+  (the decay restarts at its step 0 at the milestone, as in torch);
+* `clip_grad_norm_(model.parameters(), max_norm)` before `opt.step()`: `optax.chain(
+  clip_grad_norm(max_norm), sgd(...))`; with frozen parameters, zero their gradients before the
+  clip (see `clip_grad_norm`), as torch leaves them out of the norm.
 """
 from jaxport.train._optim import adamw as adamw
+from jaxport.train._optim import clip_grad_norm as clip_grad_norm
 from jaxport.train._optim import cosine_annealing_lr as cosine_annealing_lr
 from jaxport.train._optim import linear_warmup as linear_warmup
 from jaxport.train._optim import multistep_lr as multistep_lr
