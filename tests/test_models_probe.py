@@ -101,6 +101,49 @@ def test_norm_layer_is_refused_naming_the_alternatives():
     assert models.resnet18(norm_layer=None, num_classes=4) == models.resnet18(num_classes=4)
 
 
+def test_frozen_batchnorm_training_as_the_norm_layer_error_advises():
+    """What the `norm_layer` refusal advises for FrozenBatchNorm2d, checked: train=False plus
+    `optax.set_to_zero()` on the BatchNorm scales and biases is one SGD step of torchvision's
+    resnet18(norm_layer=FrozenBatchNorm2d) (float64); BatchNorm trained as usual is not."""
+    import optax
+    from flax import traverse_util
+
+    from jaxport.train import cross_entropy
+    from torch_compat import optim
+
+    sd = {k: v.double() for k, v in reference("resnet18").state_dict().items()}
+    frozen = torchvision.models.resnet18(norm_layer=torchvision.ops.FrozenBatchNorm2d, num_classes=10).double()
+    frozen.load_state_dict({k: v for k, v in sd.items() if not k.endswith("num_batches_tracked")})
+    x = torch.from_numpy(np.random.default_rng(0).standard_normal((4, 3, 32, 32)))
+    y = torch.tensor([0, 3, 5, 9])
+    opt = torch.optim.SGD(frozen.parameters(), lr=0.1, momentum=0.9)
+    torch.nn.functional.cross_entropy(frozen(x), y).backward()
+    opt.step()
+    with jax.enable_x64(True):
+        variables = torch_compat.torch_to_flax(sd)
+        model = models.resnet18(num_classes=10)
+        flat = traverse_util.flatten_dict(variables["params"])
+        labels = traverse_util.unflatten_dict({k: "frozen" if "bn" in "".join(k) or "downsample/1" in "/".join(k)
+                                               else "train" for k in flat})
+        tx = optax.multi_transform({"train": optim.sgd(0.1, momentum=0.9), "frozen": optax.set_to_zero()}, labels)
+        images, targets = jnp.asarray(x.numpy().transpose(0, 2, 3, 1)), jnp.asarray(y.numpy())
+
+        def step(train):
+            def loss(params):
+                out = model.apply({"params": params, "batch_stats": variables["batch_stats"]}, images, train=train,
+                                  mutable=["batch_stats"] if train else False)
+                return jnp.mean(cross_entropy(out[0] if train else out, targets))
+
+            grads = jax.grad(loss)(variables["params"])
+            return optax.apply_updates(variables["params"], tx.update(grads, tx.init(variables["params"]),
+                                                                      variables["params"])[0])
+
+        want = torch_compat.torch_to_flax({**sd, **{k: v.detach() for k, v in frozen.state_dict().items()}})["params"]
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12), step(False), want)
+        trained_bn = step(True)
+    assert not np.allclose(trained_bn["conv1"]["kernel"], want["conv1"]["kernel"], rtol=1e-6)
+
+
 def test_basic_block_groups_or_width_are_refused_like_torchvision():
     x = jnp.zeros((1, 32, 32, 3))
     for kwargs in ({"groups": 2}, {"width_per_group": 32}):

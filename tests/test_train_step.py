@@ -176,6 +176,11 @@ def test_the_step_builders_name_what_is_wrong_with_their_arguments():
     with pytest.raises(ConfigError, match=r"`variables` \(holding \['bn1', 'conv1', 'fc', 'layer1', 'layer2'\]\) "
                                           r"must be Flax variables"):
         create_state(variables["params"], tx, mesh)
+    import torch  # a torch optimizer, as a migrating script holds one: was "'SGD' object has no attribute 'init'"
+
+    with pytest.raises(ConfigError, match=r"`tx` \(=torch.optim.sgd.SGD\) must be an optax GradientTransformation, "
+                                          r"e.g. torch_compat.optim.sgd"):
+        create_state(variables, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), mesh)
     with pytest.raises(ConfigError, match=r"`devices` \(=\[\]\) is empty"):
         make_mesh([])
     for bad in (2.5, 4.0, "8", 0):

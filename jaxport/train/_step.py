@@ -123,6 +123,10 @@ def create_state(variables: dict, tx: optax.GradientTransformation, mesh: Mesh) 
         raise ConfigError(f"`variables` (holding {found}) must be Flax variables {{'params': ..., 'batch_stats': "
                           "...}}, as model.init or torch_compat.torch_to_flax return them")
     _check_mesh_and_model(mesh)
+    if not isinstance(tx, optax.GradientTransformation):  # a torch.optim.SGD: "'SGD' object has no attribute 'init'"
+        raise ConfigError(f"`tx` (={type(tx).__module__}.{type(tx).__name__}) must be an optax "
+                          "GradientTransformation, e.g. torch_compat.optim.sgd(0.1, momentum=0.9) for "
+                          "torch.optim.SGD(params, lr=0.1, momentum=0.9)")
     params = jax.tree.map(np.asarray, variables["params"])
     batch_stats = jax.tree.map(np.asarray, variables.get("batch_stats", {}))
     opt_state = jax.jit(tx.init)(params)
