@@ -80,6 +80,8 @@ ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, r
                              "training: float32 is the full-precision one); did you mean --dtype float32?"),
     (["--dtype", "half"], "`--dtype` (='half') must be one of float32, bfloat16 (float16 is not supported for "
                           "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
+    (["--bn-stats", "frist"], "`--bn-stats` (='frist') must be one of mean, first; did you mean --bn-stats first?"),
+    (["--bn-stats", "avg"], "`--bn-stats` (='avg') must be one of mean, first"),
 ])
 def test_a_misspelt_name_suggests_the_closest(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -153,9 +155,20 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--epoch", "2"], "epochs", 2),  # an unambiguous prefix, as argparse allows
     (["--dtype", "bfloat16"], "dtype", "bfloat16"),
     (["--arch", "wide_resnet50_2"], "arch", "wide_resnet50_2"),
+    (["--bn-stats", "first"], "bn_stats", "first"),
+    ([], "bn_stats", "mean"),  # make_train_step's default: what runs trained with before the flag
 ])
 def test_values_that_parse(flags, field, value):
     assert getattr(_parsed(*flags), field) == value
+
+
+def test_settings_that_change_the_training_must_agree_across_processes():
+    """`_flags` is what every process of a run compares before training: a process with another
+    --bn-stats would keep other running statistics and evaluate another model."""
+    from jaxport.train._loop import _flags
+
+    assert _flags(_parsed())["--bn-stats"] == "mean"
+    assert _flags(_parsed("--bn-stats", "first"))["--bn-stats"] == "first"
 
 
 def test_help_shows_every_flag_with_its_real_default(capsys):

@@ -34,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("lr", "0.1", r"`--lr` \(='0.1'\) must be a finite number > 0"),  # TypeError: must be real number, not str
     ("momentum", "0.9", r"`--momentum` \(='0.9'\) must be a finite number >= 0"),
     ("sync_bn", "no", r"`--sync-bn` \(='no'\) must be True or False"),  # ran with SyncBatchNorm
+    ("bn_stats", None, r"`--bn-stats` \(=None\) must be one of mean, first$"),
     ("resume", "yes", r"`--resume` \(='yes'\) must be True or False"),
     # "No such file or directory: ''" once the model was built; None a TypeError
     ("workdir", "", r"`--workdir` \(=''\) must be a directory path, new or existing"),

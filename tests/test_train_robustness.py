@@ -276,9 +276,12 @@ def test_flags_that_change_nothing_say_so(tmp_path):
     said = []
     # devices=64 stops the run right after the notes, before any data or model is built.
     with pytest.raises(ConfigError, match="`devices` \\(=64\\) is more than"):
-        train(_cfg(tmp_path / "w", None, workers=2, trusted=True, devices=64), log=said.append)
+        train(_cfg(tmp_path / "w", None, workers=2, trusted=True, devices=64, sync_bn=True, bn_stats="first"),
+              log=said.append)
     assert said == ["--workers 2 is not used (the embedded digits are held in memory; it sets --data's loader "
-                    "processes)", "--trusted is not used (it allows a full unpickle of --init, and there is none)"]
+                    "processes)", "--trusted is not used (it allows a full unpickle of --init, and there is none)",
+                    "--bn-stats first is not used (with --sync-bn every device's running statistics are the same "
+                    "already)"]
 
 
 def _snapshot(root):

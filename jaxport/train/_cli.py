@@ -113,6 +113,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--workdir", required=True, metavar="DIR",
                    help="checkpoints, metrics.jsonl and training_curves.png go here (required)")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across devices")
+    # checked, with a suggestion, by TrainConfig (as --dtype)
+    p.add_argument("--bn-stats", default=d.bn_stats, metavar="{mean,first}",
+                   help="per-device BatchNorm's running statistics (what evaluation uses) after each step: mean over "
+                        "the devices, or first: device 0's, as torch's DataParallel and DDP keep; nothing changes "
+                        "with --sync-bn or one device (default: %(default)s)")
     p.add_argument("--init", default=None, metavar="PATH",
                    help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
                         "finds a checkpoint) (default: a fresh initialisation from --seed)")

@@ -26,7 +26,8 @@ from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _memory
 from ._init import fit_head, load_init
 from ._optim import cosine_annealing_lr, per_epoch, sgd
-from ._step import check_batch_size, create_state, make_eval_step, make_mesh, make_train_step, shard_batch
+from ._step import (RUNNING_STATS, check_batch_size, create_state, make_eval_step, make_mesh, make_train_step,
+                    shard_batch)
 
 FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
 OUTPUTS = (FINAL_VARIABLES, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
@@ -66,6 +67,9 @@ class TrainConfig:
     weight_decay: float = 5e-4
     seed: int = 0
     sync_bn: bool = False
+    # Per-device BatchNorm's running statistics after each step: "mean" over the devices, or
+    # "first": device 0's, as torch's DataParallel and DDP keep (`make_train_step(running_stats=)`).
+    bn_stats: str = "mean"
     init: str | None = None
     trusted: bool = False  # allow a full unpickle of the `init` checkpoint (runs code from it)
     resume: bool = False
@@ -123,6 +127,7 @@ def _validate(cfg: TrainConfig) -> None:
     if not (is_int(cfg.seed) and 0 <= cfg.seed < 2**63):
         raise ConfigError(f"`--seed` (={cfg.seed!r}) must be an integer from 0 to 2**63 - 1")
     one_of("--dtype", cfg.dtype, DTYPES, why=_NOT_TRAINED, aliases=_DTYPE_ALIASES)
+    one_of("--bn-stats", cfg.bn_stats, RUNNING_STATS)
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
@@ -321,7 +326,8 @@ def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", "seed", "sync_bn",
-              "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
+              "bn_stats", "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices",
+              "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
@@ -464,7 +470,10 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
 # checkpoint so the change is said, never silent.
-_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "dtype")
+_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "bn_stats", "dtype")
+# What checkpoints written before a setting was recorded trained with, so that a resume with
+# another value says so too.
+_BEFORE_RECORDED = {"bn_stats": "mean"}
 
 
 def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
@@ -490,6 +499,7 @@ def _changes(saved: dict | None, now: dict, batch: int | None = None, trains: bo
             return f"{name} (was off)" if now[k] else f"no {name} (was on)"
         return f"{name} {now[k]} (was {saved[k]})"
 
+    saved = _BEFORE_RECORDED | saved
     changed = [change(k) for k in _RESUMABLE if k in saved and saved[k] != now[k]]
     # Another device count resumes exactly with SyncBatchNorm, but per-device BatchNorm then
     # normalises over another number of images: a change of the training, said like the others.
@@ -751,6 +761,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             "loader processes)")
     if cfg.trusted and cfg.init is None:
         say("--trusted is not used (it allows a full unpickle of --init, and there is none)")
+    if cfg.bn_stats != "mean" and cfg.sync_bn:
+        say(f"--bn-stats {cfg.bn_stats} is not used (with --sync-bn every device's running statistics are the same "
+            "already)")
     if cfg.devices and cfg.devices > jax.device_count():  # the slice below would silently take fewer
         raise ConfigError(f"`devices` (={cfg.devices}) is more than the {jax.device_count()} device(s) jax sees; "
                           f"use at most {jax.device_count()}, or None for all of them")
@@ -763,6 +776,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     resumed_step, resumed_meta = _check_resumable_early(cfg, data, files) if cfg.resume else (None, None)
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     n_dev, n_proc = mesh.devices.size, jax.process_count()
+    if cfg.bn_stats != "mean" and not cfg.sync_bn and n_dev == 1:
+        say(f"--bn-stats {cfg.bn_stats} is not used (it chooses between the devices' running statistics, and there "
+            "is one device)")
 
     dtype = jnp.bfloat16 if cfg.dtype == "bfloat16" else None
     model = build(cfg.arch, num_classes=data.num_classes, bn_axis_name="data" if cfg.sync_bn else None, dtype=dtype)
@@ -796,7 +812,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
-        step = make_train_step(model, tx, mesh, donate=False)
+        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats)
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         cap = data.train.num_examples // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
@@ -820,7 +836,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                               None if resumed_step is None else _recorded_devices(resumed_meta))
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
-    step_fn = make_train_step(model, tx, mesh)
+    step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats)
     evaluate = make_eval_step(model, mesh)
 
     os.makedirs(cfg.workdir, exist_ok=True)
@@ -931,10 +947,12 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     "they cannot be recomputed, and the plot will miss them")
 
         last_step = _last_step(cfg, steps_per_epoch)
+        bn = "synchronised" if cfg.sync_bn else "per device"
+        if cfg.bn_stats == "first" and not cfg.sync_bn and n_dev > 1:
+            bn += " (running statistics: device 0's)"
         say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
             f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
-            f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm "
-            f"{'synchronised' if cfg.sync_bn else 'per device'}")
+            f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm {bn}")
         if start >= last_step:
             say(f"nothing to train: the latest checkpoint is at step {start} and the run ends at step {last_step} "
                 "(raise --epochs or --max-steps to train further)")
@@ -1142,7 +1160,7 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
     try:
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         state = create_state(variables, tx, mesh)
-        step = make_train_step(model, tx, mesh, donate=False)
+        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats)
         failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
                                      max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,

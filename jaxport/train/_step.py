@@ -9,10 +9,12 @@ Semantics (torch's DistributedDataParallel / DataParallel, one replica per devic
 * BatchNorm uses per-device batch statistics (DDP without SyncBatchNorm) unless the model was
   built with `bn_axis_name="data"` (SyncBatchNorm: statistics averaged over the mesh, so the
   result does not depend on the number of devices);
-* per-device running statistics are averaged with `pmean` after each step, so every device
-  holds the same ones. (DDP instead broadcasts rank 0's buffers; averaging uses every device's
-  data and keeps the replicas identical all the same.) `num_batches_tracked` is the same on
-  every device and is left as is.
+* per-device running statistics are made the same on every device after each step: by
+  default (`running_stats="mean"`) averaged with `pmean`, which uses every device's data;
+  with `running_stats="first"` device 0's update, broadcast to the others, as
+  `nn.DataParallel` keeps replica 0's buffers and DDP broadcasts rank 0's. The two train the
+  same weights, but evaluation (running statistics) differs. `num_batches_tracked` is the same
+  on every device and is left as is.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._args import is_int
+from .._args import is_int, one_of
 from .._errors import ConfigError
 from .._xla import compiler_options
 
@@ -148,13 +150,23 @@ def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return jnp.where(valid, loss, jnp.nan)
 
 
-def _average_running_stats(batch_stats):
-    def avg(path, x):
+RUNNING_STATS = ("mean", "first")  # `make_train_step(running_stats=...)`, `jaxport train --bn-stats`
+
+
+def _agree_running_stats(batch_stats, how: str):
+    """Every device's running statistics made one: their mean, or device 0's (`how="first"`)."""
+    first = jax.lax.axis_index(AXIS) == 0
+
+    def agree(path, x):
         if path[-1].key == "num_batches_tracked":
             return x
-        return jax.lax.pmean(x, AXIS)
+        if how == "mean":
+            return jax.lax.pmean(x, AXIS)
+        # A sum of device 0's value and zeros is device 0's value exactly (a NaN or inf on
+        # another device is not added: `where` drops it), and costs what `pmean` costs.
+        return jax.lax.psum(jnp.where(first, x, jnp.zeros_like(x)), AXIS)
 
-    return jax.tree_util.tree_map_with_path(avg, batch_stats)
+    return jax.tree_util.tree_map_with_path(agree, batch_stats)
 
 
 def _options(mesh: Mesh) -> dict[str, str]:
@@ -177,7 +189,7 @@ def _check_batch(images, labels, mask=None) -> None:
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
-                    donate: bool = True) -> Callable:
+                    donate: bool = True, running_stats: str = "mean") -> Callable:
     """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
 
     `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
@@ -189,6 +201,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     synchronised is the model's `bn_axis_name` (`"data"` for SyncBatchNorm, None for
     per-device statistics).
 
+    `running_stats` says which running statistics (BatchNorm's `mean` and `var`) every device
+    keeps after a step with per-device BatchNorm over 2+ devices: `"mean"` (the default) their
+    average over the devices; `"first"` device 0's update, as torch's `nn.DataParallel` (replica
+    0's buffers) and DDP (`broadcast_buffers=True`: rank 0's) keep them. Only evaluation, which
+    uses the running statistics, tells them apart; the loss and the weights are the same. With
+    SyncBatchNorm (`bn_axis_name="data"`) or on one device every device's update is the same
+    already, and the choice changes nothing.
+
     With `donate` (the default) a call consumes `state`: its buffers become the new state's,
     and passing it again is refused; `donate=False` keeps it, at the cost of a second copy of
     the weights and optimizer state in memory.
@@ -196,6 +216,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     _check_mesh_and_model(mesh, model)
     if model.bn_axis_name not in (None, AXIS):
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
+    one_of("running_stats", running_stats, RUNNING_STATS)
 
     def local_step(state: TrainState, images, labels):
         def loss_fn(params):
@@ -210,7 +231,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
         if mesh.shape[AXIS] > 1:
             grads = jax.lax.pmean(grads, AXIS)
             if model.bn_axis_name is None:
-                batch_stats = _average_running_stats(batch_stats)
+                batch_stats = _agree_running_stats(batch_stats, running_stats)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {
