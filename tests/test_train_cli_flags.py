@@ -53,6 +53,8 @@ def _parsed(*flags) -> TrainConfig:
     (["--lr", "0,1"], "`--lr` (='0,1') must be a number; use --lr 0.1"),  # a decimal comma
     (["--momentum", "x"], "`--momentum` (='x') must be a number, e.g. --momentum 0.9"),
     (["--weight-decay", "0,0005"], "`--weight-decay` (='0,0005') must be a number; use --weight-decay 0.0005"),
+    (["--label-smoothing", "x"], "`--label-smoothing` (='x') must be a number, e.g. --label-smoothing 0.1"),
+    (["--label-smoothing", "0,1"], "`--label-smoothing` (='0,1') must be a number; use --label-smoothing 0.1"),
 ])
 def test_a_value_of_the_wrong_type_is_one_line_with_the_fix(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -123,6 +125,10 @@ def test_a_missing_workdir_is_one_line(capsys):
     (["--lr=0.1", "--lr", "-1"], "`--lr` (=-1.0) must be a finite number > 0"),  # the last one given counts
     (["--seed", "99999999999999999999"], "`--seed` (=99999999999999999999) must be an integer from 0 to 2**63 - 1"),
     (["--data", ""], "`--data` (='') must be a path, or None"),
+    # torch refuses > 1, and silently trains unsmoothed with a negative or NaN one.
+    *[(["--label-smoothing", v], f"`--label-smoothing` (={v}) must be a number from 0 to 1, as torch's "
+                                 "CrossEntropyLoss takes: the weight of the uniform target, e.g. 0.1; 0 for plain "
+                                 "cross-entropy") for v in ("1.5", "-0.1", "nan")],
 ])
 def test_out_of_range_values_are_refused_before_any_work(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -157,6 +163,9 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--arch", "wide_resnet50_2"], "arch", "wide_resnet50_2"),
     (["--bn-stats", "first"], "bn_stats", "first"),
     ([], "bn_stats", "mean"),  # make_train_step's default: what runs trained with before the flag
+    (["--label-smoothing", "0.1"], "label_smoothing", 0.1),
+    (["--label-smoothing", "1"], "label_smoothing", 1.0),
+    ([], "label_smoothing", 0.0),
 ])
 def test_values_that_parse(flags, field, value):
     assert getattr(_parsed(*flags), field) == value
@@ -164,11 +173,14 @@ def test_values_that_parse(flags, field, value):
 
 def test_settings_that_change_the_training_must_agree_across_processes():
     """`_flags` is what every process of a run compares before training: a process with another
-    --bn-stats would keep other running statistics and evaluate another model."""
+    --bn-stats would keep other running statistics and evaluate another model, and one with
+    another --label-smoothing would average gradients of two different losses."""
     from jaxport.train._loop import _flags
 
     assert _flags(_parsed())["--bn-stats"] == "mean"
     assert _flags(_parsed("--bn-stats", "first"))["--bn-stats"] == "first"
+    assert _flags(_parsed())["--label-smoothing"] == 0.0
+    assert _flags(_parsed("--label-smoothing", "0.1"))["--label-smoothing"] == 0.1
 
 
 def test_help_shows_every_flag_with_its_real_default(capsys):

@@ -27,7 +27,7 @@ from torch_compat import flax_to_torch, optim, torch_to_flax
 ARCH, NUM_CLASSES, DEVICES, BATCH, SIZE, STEPS = "resnet18", 10, 2, 8, 32, 3
 
 
-def _torch_data_parallel(model, x, y, keep):
+def _torch_data_parallel(model, x, y, keep, label_smoothing=0.0):
     """The mean cross-entropy over the global batch, each of `DEVICES` replicas normalising its
     shard; the model's buffers become replica 0's (`keep="first"`) or the replicas' mean."""
     params = dict(model.named_parameters())
@@ -35,7 +35,8 @@ def _torch_data_parallel(model, x, y, keep):
     losses, replicas = [], []
     for xs, ys in zip(torch.chunk(x, DEVICES), torch.chunk(y, DEVICES)):
         own = {k: v.clone() for k, v in buffers.items()}  # BatchNorm updates these in place
-        losses.append(torch.nn.functional.cross_entropy(torch.func.functional_call(model, (params, own), (xs,)), ys))
+        logits = torch.func.functional_call(model, (params, own), (xs,))
+        losses.append(torch.nn.functional.cross_entropy(logits, ys, label_smoothing=label_smoothing))
         replicas.append(own)
     with torch.no_grad():
         for k, v in buffers.items():
@@ -46,7 +47,7 @@ def _torch_data_parallel(model, x, y, keep):
     return sum(losses) / DEVICES  # equal shards: the mean of the shards' means is the global mean
 
 
-def _train_both(running_stats):
+def _train_both(running_stats, label_smoothing=0.0):
     torch.manual_seed(0)
     tmodel = torchvision.models.resnet18(num_classes=NUM_CLASSES, zero_init_residual=True).double()
     rng = np.random.default_rng(0)
@@ -64,7 +65,8 @@ def _train_both(running_stats):
     topt = torch.optim.SGD(tmodel.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     for x, y in batches:
         topt.zero_grad()
-        _torch_data_parallel(tmodel, torch.tensor(x.transpose(0, 3, 1, 2)), torch.tensor(y), running_stats).backward()
+        _torch_data_parallel(tmodel, torch.tensor(x.transpose(0, 3, 1, 2)), torch.tensor(y), running_stats,
+                             label_smoothing).backward()
         topt.step()
     want = {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
 
@@ -73,7 +75,7 @@ def _train_both(running_stats):
     model = build(ARCH, num_classes=NUM_CLASSES, param_dtype=np.float64)  # bn_axis_name None: per device
     tx = optim.sgd(0.05, momentum=0.9, weight_decay=1e-4)
     state = create_state(variables, tx, mesh)
-    step = make_train_step(model, tx, mesh, running_stats=running_stats)
+    step = make_train_step(model, tx, mesh, running_stats=running_stats, label_smoothing=label_smoothing)
     for x, y in batches:
         state, _ = step(state, *shard_batch(mesh, x, y))
     # Every device holds the same running statistics (a checkpoint or evaluation reads any one).
@@ -100,6 +102,14 @@ def test_running_stats_equal_torch_data_parallel_keeping_them(x64, running_stats
     for k in want:
         if k.endswith("num_batches_tracked"):
             assert got[k] == want[k] == 2 + STEPS, k
+
+
+def test_label_smoothing_equals_torch_cross_entropy_loss_with_it(x64):
+    """`CrossEntropyLoss(label_smoothing=0.1)`, as most fine-tuning scripts use it."""
+    got, want = _train_both("first", label_smoothing=0.1)
+    errors = _rel_errors(got, want)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-8, (worst, errors[worst])
 
 
 def test_running_stats_is_one_of_its_choices():

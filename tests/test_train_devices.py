@@ -35,6 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("momentum", "0.9", r"`--momentum` \(='0.9'\) must be a finite number >= 0"),
     ("sync_bn", "no", r"`--sync-bn` \(='no'\) must be True or False"),  # ran with SyncBatchNorm
     ("bn_stats", None, r"`--bn-stats` \(=None\) must be one of mean, first$"),
+    ("label_smoothing", "0.1", r"`--label-smoothing` \(='0.1'\) must be a number from 0 to 1"),
+    ("label_smoothing", True, r"`--label-smoothing` \(=True\) must be a number from 0 to 1"),
     ("resume", "yes", r"`--resume` \(='yes'\) must be True or False"),
     # "No such file or directory: ''" once the model was built; None a TypeError
     ("workdir", "", r"`--workdir` \(=''\) must be a directory path, new or existing"),

@@ -306,10 +306,10 @@ def test_resume_says_which_settings_changed(tmp_path):
     # No epoch has ended: a resume wrote an empty metrics.jsonl all the same.
     assert not (tmp_path / "metrics.jsonl").exists()
     train(TrainConfig(**{**cfg.__dict__, "resume": True, "max_steps": 3, "lr": 0.01, "epochs": 3,
-                         "sync_bn": True, "bn_stats": "first"}), log=changed.append)
+                         "sync_bn": True, "bn_stats": "first", "label_smoothing": 0.1}), log=changed.append)
     assert ("resuming from step 2 with changed settings: --epochs 3 (was 2), --lr 0.01 (was 0.05), --sync-bn "
-            "(was off), --bn-stats first (was mean) (the cosine schedule now ends at the new --epochs)") in changed, \
-        changed
+            "(was off), --bn-stats first (was mean), --label-smoothing 0.1 (was 0.0) (the cosine schedule now ends at "
+            "the new --epochs)") in changed, changed
     # A momentum of 0 keeps no buffer (as torch): the state's structure differs. This said
     # "cannot be read ... delete checkpoints/3" of a good checkpoint.
     with pytest.raises(ConfigError, match=r"--resume: `--momentum` \(=0.0\) cannot continue the run in .*, trained "

@@ -118,6 +118,10 @@ def add_parser(subparsers) -> None:
                    help="per-device BatchNorm's running statistics (what evaluation uses) after each step: mean over "
                         "the devices, or first: device 0's, as torch's DataParallel and DDP keep; nothing changes "
                         "with --sync-bn or one device (default: %(default)s)")
+    p.add_argument("--label-smoothing", type=_real("--label-smoothing", 0.1), default=d.label_smoothing,
+                   metavar="LS", help="label smoothing of the training loss, from 0 to 1, as torch's "
+                                      "CrossEntropyLoss(label_smoothing=LS); the train loss shown is then the "
+                                      "smoothed one, the val loss stays plain cross-entropy (default: %(default)s)")
     p.add_argument("--init", default=None, metavar="PATH",
                    help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
                         "finds a checkpoint) (default: a fresh initialisation from --seed)")

@@ -26,8 +26,8 @@ from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _memory
 from ._init import fit_head, load_init
 from ._optim import cosine_annealing_lr, per_epoch, sgd
-from ._step import (RUNNING_STATS, check_batch_size, create_state, make_eval_step, make_mesh, make_train_step,
-                    shard_batch)
+from ._step import (RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
+                    make_train_step, shard_batch)
 
 FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
 OUTPUTS = (FINAL_VARIABLES, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
@@ -70,6 +70,8 @@ class TrainConfig:
     # Per-device BatchNorm's running statistics after each step: "mean" over the devices, or
     # "first": device 0's, as torch's DataParallel and DDP keep (`make_train_step(running_stats=)`).
     bn_stats: str = "mean"
+    # torch's CrossEntropyLoss(label_smoothing=...) for the training loss; evaluation's stays plain.
+    label_smoothing: float = 0.0
     init: str | None = None
     trusted: bool = False  # allow a full unpickle of the `init` checkpoint (runs code from it)
     resume: bool = False
@@ -128,6 +130,7 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"`--seed` (={cfg.seed!r}) must be an integer from 0 to 2**63 - 1")
     one_of("--dtype", cfg.dtype, DTYPES, why=_NOT_TRAINED, aliases=_DTYPE_ALIASES)
     one_of("--bn-stats", cfg.bn_stats, RUNNING_STATS)
+    check_label_smoothing(cfg.label_smoothing, "--label-smoothing")
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
@@ -326,8 +329,8 @@ def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", "seed", "sync_bn",
-              "bn_stats", "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps", "devices",
-              "num_processes")
+              "bn_stats", "label_smoothing", "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps",
+              "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
@@ -470,10 +473,10 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
 # checkpoint so the change is said, never silent.
-_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "bn_stats", "dtype")
+_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "bn_stats", "label_smoothing", "dtype")
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too.
-_BEFORE_RECORDED = {"bn_stats": "mean"}
+_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0}
 
 
 def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
@@ -812,7 +815,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
-        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats)
+        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
+                               label_smoothing=cfg.label_smoothing)
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         cap = data.train.num_examples // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
@@ -836,7 +840,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                               None if resumed_step is None else _recorded_devices(resumed_meta))
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
-    step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats)
+    step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats, label_smoothing=cfg.label_smoothing)
     evaluate = make_eval_step(model, mesh)
 
     os.makedirs(cfg.workdir, exist_ok=True)
@@ -1160,7 +1164,8 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
     try:
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         state = create_state(variables, tx, mesh)
-        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats)
+        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
+                               label_smoothing=cfg.label_smoothing)
         failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
                                      max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,

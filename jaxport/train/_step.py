@@ -3,9 +3,10 @@
 Semantics (torch's DistributedDataParallel / DataParallel, one replica per device):
 
 * parameters and optimizer state are replicated; the global batch is split along axis 0;
-* the loss is the mean cross-entropy over the *global* batch: each device takes the mean over
-  its share, and the gradients are averaged with `pmean("data")` (equal shares, so the mean
-  of means is the global mean);
+* the loss is the mean cross-entropy over the *global* batch (optionally label-smoothed, as
+  torch's `CrossEntropyLoss(label_smoothing=...)`): each device takes the mean over its
+  share, and the gradients are averaged with `pmean("data")` (equal shares, so the mean of
+  means is the global mean);
 * BatchNorm uses per-device batch statistics (DDP without SyncBatchNorm) unless the model was
   built with `bn_axis_name="data"` (SyncBatchNorm: statistics averaged over the mesh, so the
   result does not depend on the number of devices);
@@ -29,7 +30,7 @@ import optax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .._args import is_int, one_of
+from .._args import is_int, is_real, one_of
 from .._errors import ConfigError
 from .._xla import compiler_options
 
@@ -137,16 +138,40 @@ def create_state(variables: dict, tx: optax.GradientTransformation, mesh: Mesh) 
     return replicate(state, mesh)
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
-    """Per-example `torch.nn.functional.cross_entropy(..., reduction="none")`, in >= float32.
+def check_label_smoothing(value, name: str = "label_smoothing") -> float:
+    """`value` as a float if it is a number from 0 to 1 (torch's range), else a ConfigError."""
+    # `not 0 <= x <= 1` also refuses NaN, which fails every comparison.
+    if not (is_real(value) and 0 <= value <= 1):
+        raise ConfigError(f"`{name}` (={value!r}) must be a number from 0 to 1, as torch's CrossEntropyLoss takes: "
+                          "the weight of the uniform target, e.g. 0.1; 0 for plain cross-entropy")
+    return float(value)
 
-    A label outside `[0, num_classes)` gives that example a NaN loss, where torch raises
-    IndexError (a jitted step cannot raise on values): -1 would otherwise index the last class
-    and train on it silently, and torch's `ignore_index` (-100) is not a convention here.
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
+    """Per-example `torch.nn.functional.cross_entropy(..., reduction="none", label_smoothing=ls)`,
+    in >= float32.
+
+    With `ls = label_smoothing` and `logp = log_softmax(logits)`, the loss is torch's
+    `(1 - ls) * -logp[label] + ls * mean(-logp)` over the classes (the cross-entropy against
+    `(1 - ls) * one_hot + ls / num_classes`, as `optax.smooth_labels`). A label outside
+    `[0, num_classes)` gives that example a NaN loss, where torch raises IndexError (a jitted
+    step cannot raise on values): -1 would otherwise index the last class and train on it
+    silently, and torch's `ignore_index` (-100) is not a convention here. With `ls > 0` a
+    logit of -inf makes the loss +inf, as in torch (the uniform target puts weight on it).
+
+    Raises:
+      ConfigError: `label_smoothing` is not a number from 0 to 1.
     """
+    ls = check_label_smoothing(label_smoothing)
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
     valid = (labels >= 0) & (labels < logits.shape[-1])
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), jnp.where(valid, labels, 0))
+    safe = jnp.where(valid, labels, 0)
+    if ls == 0:  # optax's fused form: the losses and gradients every run without smoothing had
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(dtype), safe)
+    else:
+        logp = jax.nn.log_softmax(logits.astype(dtype), axis=-1)
+        nll = -jnp.take_along_axis(logp, safe[..., None], axis=-1)[..., 0]
+        loss = (1 - ls) * nll + ls * -jnp.mean(logp, axis=-1)
     return jnp.where(valid, loss, jnp.nan)
 
 
@@ -189,7 +214,7 @@ def _check_batch(images, labels, mask=None) -> None:
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
-                    donate: bool = True, running_stats: str = "mean") -> Callable:
+                    donate: bool = True, running_stats: str = "mean", label_smoothing: float = 0.0) -> Callable:
     """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
 
     `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
@@ -200,6 +225,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     elements copied per ResNet-50 step with a `lax.cond` or selects.) Whether BatchNorm is
     synchronised is the model's `bn_axis_name` (`"data"` for SyncBatchNorm, None for
     per-device statistics).
+
+    `label_smoothing` (from 0 to 1) smooths the training loss as torch's
+    `CrossEntropyLoss(label_smoothing=...)` does (see `cross_entropy`); `metrics["loss"]` is
+    then the smoothed loss, the one the gradients are of. `make_eval_step`'s loss stays the
+    plain cross-entropy.
 
     `running_stats` says which running statistics (BatchNorm's `mean` and `var`) every device
     keeps after a step with per-device BatchNorm over 2+ devices: `"mean"` (the default) their
@@ -217,12 +247,13 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     if model.bn_axis_name not in (None, AXIS):
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
     one_of("running_stats", running_stats, RUNNING_STATS)
+    label_smoothing = check_label_smoothing(label_smoothing)
 
     def local_step(state: TrainState, images, labels):
         def loss_fn(params):
             logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, images,
                                           train=True, mutable=["batch_stats"])
-            loss = jnp.mean(cross_entropy(logits, labels))
+            loss = jnp.mean(cross_entropy(logits, labels, label_smoothing))
             return loss, (updates["batch_stats"], logits)
 
         (loss, (batch_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
