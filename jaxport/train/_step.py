@@ -239,6 +239,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     SyncBatchNorm (`bn_axis_name="data"`) or on one device every device's update is the same
     already, and the choice changes nothing.
 
+    Gradient clipping, param groups and frozen parameters belong in `tx` (see
+    `torch_compat.optim`). What this step does not take, another loss (soft targets, class
+    weights) or BatchNorm kept in eval mode while training (`bn.eval()`, FrozenBatchNorm2d), is
+    a step of your own: `model.apply(..., train=False)` inside `jax.shard_map`, gradients
+    `pmean`-ed over "data", as here.
+
     With `donate` (the default) a call consumes `state`: its buffers become the new state's,
     and passing it again is refused; `donate=False` keeps it, at the cost of a second copy of
     the weights and optimizer state in memory.
