@@ -641,12 +641,13 @@ def test_init_says_whether_the_head_is_kept_and_nothing_before_a_misfit():
     assert said == ["--init: every weight taken, the classifier's included (10 classes, as the data has)"]
     np.testing.assert_array_equal(out["params"]["fc"]["kernel"], same["params"]["fc"]["kernel"])
     # Half weights (kept so by `port`) become float32 master weights: said, not silent.
-    half = jax.tree.map(lambda a: a.astype(np.float16) if a.dtype == np.float32 else a, same)
-    said = []
-    out = fit_head(half, fresh, said.append, "resnet18")
-    assert said == ["--init: every weight taken, the classifier's included (10 classes, as the data has); float16 "
-                    "weights upcast to the run's float32"]
-    assert out["params"]["conv1"]["kernel"].dtype == np.float32
+    for half_dtype in (np.float16, jax.numpy.bfloat16):  # (numpy does not call ml_dtypes' bfloat16 floating)
+        half = jax.tree.map(lambda a: a.astype(half_dtype) if a.dtype == np.float32 else a, same)
+        said = []
+        out = fit_head(half, fresh, said.append, "resnet18")
+        assert said == ["--init: every weight taken, the classifier's included (10 classes, as the data has); "
+                        f"{np.dtype(half_dtype).name} weights upcast to the run's float32"]
+        assert out["params"]["conv1"]["kernel"].dtype == np.float32
     said = []
     fit_head(variables("resnet18", 4), fresh, said.append, "resnet18")
     assert said == ["--init: classifier head has 4 classes, the data 10: re-initialising fc (4 -> 10 outputs)"]

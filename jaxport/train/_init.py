@@ -116,7 +116,9 @@ def fit_head(variables: dict, fresh: dict, log: Callable[[str], None] = print, a
     # Half-precision weights (a `port` kept them so) become the run's float32 master weights:
     # said, since `variables.safetensors` then holds another dtype than the file given.
     cast = sorted({str(np.asarray(got[k]).dtype) for k in want
-                   if np.issubdtype(np.asarray(got[k]).dtype, np.floating) and np.asarray(got[k]).dtype != np.asarray(want[k]).dtype})
+                   # (jnp's issubdtype: numpy's calls ml_dtypes' bfloat16 not floating)
+                   if jax.numpy.issubdtype(np.asarray(got[k]).dtype, jax.numpy.floating)
+                   and np.asarray(got[k]).dtype != np.asarray(want[k]).dtype})
     if cast:
         said += f"; {'/'.join(cast)} weights upcast to the run's {np.asarray(want[('params', 'fc', 'kernel')]).dtype}"
     log(said)
