@@ -108,11 +108,27 @@ def test_a_port_records_no_directory_and_still_knows_its_checkpoint(tmp_path, re
     assert main(["port", str(other / "r18.pth")]) == 2
     assert ("the default output 'r18.safetensors' already exists and holds the port of another 'r18.pth' (another "
             "directory's, or a file since moved); nothing was overwritten") in capsys.readouterr().err
-    # A port that recorded the path (before): recognised by it.
-    jaxport.save_variables("r18.safetensors", torch_compat.torch_to_flax(reference("resnet18").state_dict()),
-                           arch="resnet18", metadata={"source": "r18.pth", "source_path": str(other / "r18.pth")})
+    # Other spellings of the same checkpoint's path are the same checkpoint: a re-port.
+    (tmp_path / "link").symlink_to(private)
+    for spelling in (os.path.relpath(ckpt), str(tmp_path / "link" / "r18.pth")):
+        assert main(["port", spelling]) == 0, capsys.readouterr().err
+    # Ports written before recorded the path, or (earlier still) the name alone: recognised by them.
+    variables = torch_compat.torch_to_flax(reference("resnet18").state_dict())
+    jaxport.save_variables("r18.safetensors", variables, arch="resnet18",
+                           metadata={"source": "r18.pth", "source_path": str(other / "r18.pth")})
+    assert main(["port", str(ckpt)]) == 2  # another directory's, by its recorded path
+    assert jaxport.read_metadata("r18.safetensors")["source_path"] == str(other / "r18.pth")
     assert main(["port", str(other / "r18.pth")]) == 0
+    jaxport.save_variables("r18.safetensors", variables, arch="resnet18", metadata={"source": "r18.pth"})
+    assert main(["port", str(ckpt)]) == 0
+    capsys.readouterr()
+    # A model hub's safetensors file (torch keys, format "pt") is no port: never replaced.
+    import safetensors.torch
+
+    safetensors.torch.save_file({"w": torch.zeros(2)}, "r18.safetensors", metadata={"format": "pt"})
     assert main(["port", str(ckpt)]) == 2
+    assert "the default output 'r18.safetensors' already exists and is not a jaxport variables file" in \
+        capsys.readouterr().err
 
 
 def test_a_checkpoint_under_a_path_that_is_not_utf8_ports(tmp_path, resnet18_checkpoint):
@@ -201,6 +217,13 @@ def test_a_checkpoint_holding_nan_or_inf_is_said_by_port_and_verify(tmp_path, ca
     assert "note: the checkpoint's 2 tensor(s) hold NaN or inf values" in out, out
     assert ("verify: FAIL: the checkpoint holds NaN or inf values, which no output check can pass (every tensor "
             "is an exact copy of the checkpoint's own port)") in out, out
+    # Many such tensors: the first three named, then "...".
+    for key in ("fc.bias", "layer1.0.bn1.running_mean"):
+        sd[key][0] = float("inf")
+    torch.save(sd, ckpt)
+    assert main(["port", str(ckpt), "--out", str(out_file), "--force"]) == 0
+    assert ("4 tensor(s) hold NaN or inf values (bn1.running_var: 1 NaN, 0 inf; layer1.0.bn1.running_mean: 0 NaN, "
+            "1 inf; layer2.0.conv1.weight: 1 NaN, 1 inf; ...)") in capsys.readouterr().out
 
 
 def test_verify_compares_the_port_tensor_by_tensor(tmp_path, resnet18_checkpoint, capsys):

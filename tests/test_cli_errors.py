@@ -43,6 +43,10 @@ def _refused(capsys, *argv) -> str:
                                   "--dtype bfloat16?"),
     (["port", "--dtype", "half"], "`--dtype` (='half') must be one of keep, float32, float16, bfloat16; did you mean "
                                   "--dtype float16?"),  # torch's name, which no spelling matched
+    *[(["port", "--dtype", alias], f"`--dtype` (='{alias}') must be one of keep, float32, float16, bfloat16; did you "
+                                   f"mean --dtype {meant}?")
+      for alias, meant in [("fp16", "float16"), ("f16", "float16"), ("fp32", "float32"), ("f32", "float32"),
+                           ("single", "float32")]],
     (["port", "--dtype", "int8"], "`--dtype` (='int8') must be one of keep, float32, float16, bfloat16"),
     (["verify", "x.pth", "--mode", "evl"], "`--mode` (='evl') must be one of eval, train, both; did you mean --mode eval?"),
     (["prot"], "`prot` is not a `jaxport` command (one of port, verify, export, env, train); did you mean "

@@ -1,6 +1,8 @@
 """jaxport.save_variables / load_variables: bit-exact, atomic, clear errors."""
 import json
 import os
+import re
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -341,3 +343,118 @@ def test_atomic_path_without_overwrite_keeps_a_file_made_during_the_write(tmp_pa
     path = jaxport.save_variables(target, _variables(), overwrite=False)
     assert jaxport.load_variables(path).keys() == {"params", "batch_stats"}
     assert [p.name for p in tmp_path.iterdir()] == ["m.jsonl"]
+
+
+@pytest.mark.parametrize("swap", ["a torch checkpoint", "nothing"])
+def test_a_file_swapped_or_removed_during_validation_is_judged_as_it_is_now(tmp_path, monkeypatch, swap):
+    """Replaced by another kind of file, or removed, while safetensors validated it: the error
+    is about the file now at the path (a torch checkpoint is named as one; a removed file does
+    not exist), not a failure of the one that was there."""
+    path = jaxport.save_variables(tmp_path / "v.safetensors", _variables())
+    if swap == "a torch checkpoint":
+        import torch
+
+        torch.save({"w": torch.zeros(2)}, tmp_path / "ckpt.pt")
+    real = safetensors.safe_open
+
+    def swapped_first(*args, **kwargs):
+        if swap == "nothing":
+            path.unlink(missing_ok=True)
+        elif (tmp_path / "ckpt.pt").exists():
+            os.replace(tmp_path / "ckpt.pt", path)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", swapped_first)
+    message = {"a torch checkpoint": "is a torch checkpoint (torch.save), not a Flax variables file",
+               "nothing": "does not exist; check the path"}[swap]
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        jaxport.load_variables(path)
+
+
+def test_a_fifo_or_a_path_under_a_file_is_one_clear_error(tmp_path):
+    """Opening a FIFO to read waits for a writer: a load must not hang on one. A path whose
+    directory is a regular file (NotADirectoryError) does not exist."""
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "v.safetensors"
+    os.mkfifo(fifo)
+    script = ("import sys, jaxport\ntry:\n    jaxport.load_variables(sys.argv[1])\n"
+              "except Exception as e:\n    print(type(e).__name__, e)")
+    proc = subprocess.run([sys.executable, "-c", script, str(fifo)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert "CheckpointError" in proc.stdout and "is empty (0 bytes)" in proc.stdout, proc.stdout + proc.stderr
+    (tmp_path / "notes.txt").write_text("a file")
+    with pytest.raises(CheckpointError, match="does not exist; check the path"):
+        jaxport.load_variables(tmp_path / "notes.txt" / "v.safetensors")
+
+
+def test_atomic_path_without_overwrite_refuses_an_existing_file_before_the_block(tmp_path):
+    from jaxport._io import atomic_path
+
+    target = tmp_path / "m.jsonl"
+    target.write_text("theirs\n")
+    with pytest.raises(FileExistsError):
+        with atomic_path(target, overwrite=False):
+            pytest.fail("the block ran: the write would be wasted")
+    assert target.read_text() == "theirs\n" and [p.name for p in tmp_path.iterdir()] == ["m.jsonl"]
+
+
+@pytest.mark.parametrize("errno_name", ["EPERM", "ENOTSUP", "EOPNOTSUPP", "EXDEV", "EMLINK", "ENOSYS"])
+def test_every_no_hard_link_error_falls_back_to_a_checked_rename(tmp_path, monkeypatch, errno_name):
+    import errno
+
+    from jaxport._io import atomic_path
+
+    code = getattr(errno, errno_name)
+
+    def no_link(*args, **kwargs):
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "link", no_link)
+    with atomic_path(tmp_path / "m.jsonl", overwrite=False) as tmp:
+        tmp.write_text("mine\n")
+    assert (tmp_path / "m.jsonl").read_text() == "mine\n" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_link_put_in_place_of_the_temporary_lends_no_mode_to_its_target(tmp_path):
+    """The temporary's directory may be writable by others: a symbolic link put in its place
+    must not have the new file's mode applied to its target."""
+    from jaxport._io import atomic_path
+
+    secret = tmp_path / "secret"
+    secret.write_text("private")
+    secret.chmod(0o600)
+    with pytest.raises(OSError):
+        with atomic_path(tmp_path / "m.jsonl") as tmp:
+            tmp.unlink()
+            tmp.symlink_to(secret)
+    assert secret.stat().st_mode & 0o777 == 0o600 and not (tmp_path / "m.jsonl").exists()
+
+
+def test_the_umask_fallback_sets_the_most_private_mask_and_restores_it(monkeypatch):
+    """Where /proc/self/status cannot be read, the umask is read by setting it: to 0o077 (a file
+    another thread creates meanwhile is private, not world-writable), then back."""
+    import builtins
+
+    import jaxport._io
+
+    real_open, real_umask, calls = builtins.open, os.umask, []
+
+    def no_proc(name, *args, **kwargs):
+        if str(name) == "/proc/self/status":
+            raise OSError("no /proc here")
+        return real_open(name, *args, **kwargs)
+
+    def watched(mask):
+        calls.append(mask)
+        return real_umask(mask)
+
+    previous = real_umask(0o022)
+    try:
+        monkeypatch.setattr(builtins, "open", no_proc)
+        monkeypatch.setattr(os, "umask", watched)
+        assert jaxport._io._umask() == 0o022
+        assert calls == [0o077, 0o022] and real_umask(0o022) == 0o022
+    finally:
+        real_umask(previous)
