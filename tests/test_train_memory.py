@@ -30,8 +30,8 @@ def test_batch_size_auto_trains_with_the_largest_batch_allowed(tmp_path):
 def _raising_step(monkeypatch):
     real = _loop.make_train_step
 
-    def make(model, tx, mesh, *, donate=True):
-        step = real(model, tx, mesh, donate=donate)
+    def make(model, tx, mesh, *, donate=True, **options):
+        step = real(model, tx, mesh, donate=donate, **options)
         if not donate:  # the memory analysis behind the suggestion compiles the real step
             return step
 
