@@ -362,6 +362,11 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
     arch)` (what `jaxport export WORKDIR --out model.pt` does); `arch` is None where the
     checkpoint does not record it.
 
+    A read that fails leaves orbax's other reads pending, and their leftovers (thousands of
+    lines on stderr) come after it returns: the first call therefore installs, for the process,
+    an asyncio log filter, a warnings filter and an unraisable hook that drop those leftovers
+    alone (`jaxport._abandoned_reads`); a read of a rotating checkpoint is retried for 2 s.
+
     Raises:
       CheckpointError: no checkpoint in `workdir`, or it cannot be read (naming what can be
         read instead: an older checkpoint, or the run's final variables file).
