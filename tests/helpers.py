@@ -39,3 +39,9 @@ def torch_lrs(make_sched, n: int, lr: float = 0.1) -> np.ndarray:
         opt.step()
         sched.step()
     return np.array(lrs)
+
+
+def rel_errors(got: dict, want: dict) -> dict[str, float]:
+    """Each state_dict entry's max |got - want| relative to want's largest magnitude (counters left out)."""
+    return {k: float(np.max(np.abs(got[k] - want[k])) / max(np.max(np.abs(want[k])), 1e-30))
+            for k in want if not k.endswith("num_batches_tracked")}

@@ -23,6 +23,7 @@ from jaxport._errors import ConfigError
 from jaxport.models import build
 from jaxport.train import create_state, make_mesh, make_train_step, shard_batch
 from torch_compat import flax_to_torch, optim, torch_to_flax
+from tests.helpers import rel_errors
 
 ARCH, NUM_CLASSES, DEVICES, BATCH, SIZE, STEPS = "resnet18", 10, 2, 8, 32, 3
 
@@ -88,15 +89,10 @@ def _train_both(running_stats, label_smoothing=0.0):
     return got, want
 
 
-def _rel_errors(got, want):
-    return {k: float(np.max(np.abs(got[k] - want[k])) / max(np.max(np.abs(want[k])), 1e-30))
-            for k in want if not k.endswith("num_batches_tracked")}
-
-
 @pytest.mark.parametrize("running_stats", ["first", "mean"])
 def test_running_stats_equal_torch_data_parallel_keeping_them(x64, running_stats):
     got, want = _train_both(running_stats)
-    errors = _rel_errors(got, want)
+    errors = rel_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-8, (worst, errors[worst])
     for k in want:
@@ -107,7 +103,7 @@ def test_running_stats_equal_torch_data_parallel_keeping_them(x64, running_stats
 def test_label_smoothing_equals_torch_cross_entropy_loss_with_it(x64):
     """`CrossEntropyLoss(label_smoothing=0.1)`, as most fine-tuning scripts use it."""
     got, want = _train_both("first", label_smoothing=0.1)
-    errors = _rel_errors(got, want)
+    errors = rel_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-8, (worst, errors[worst])
 

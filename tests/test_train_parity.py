@@ -31,6 +31,7 @@ import torchvision
 from jaxport.models import build
 from jaxport.train import create_state, make_mesh, make_train_step, shard_batch
 from torch_compat import flax_to_torch, optim, torch_to_flax
+from tests.helpers import rel_errors
 
 NUM_CLASSES = 10
 OPTIMIZERS = {
@@ -80,18 +81,13 @@ def _run(arch, opt, dtype, steps, batch=4, size=32, zero_init=True):
     return got, want
 
 
-def _rel_errors(got, want):
-    return {k: float(np.max(np.abs(got[k] - want[k])) / max(np.max(np.abs(want[k])), 1e-30))
-            for k in want if not k.endswith("num_batches_tracked")}
-
-
 @pytest.mark.parametrize("arch,opt", [
     ("resnet18", "sgd"), ("resnet18", "nesterov"), ("resnet18", "adamw"), ("resnet50", "sgd"), ("resnet50", "nesterov"),
 ])
 def test_three_steps_float64(arch, opt):
     with jax.enable_x64(True):
         got, want = _run(arch, opt, np.float64, steps=3)
-    errors = _rel_errors(got, want)
+    errors = rel_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-8, (worst, errors[worst])
     for k in want:
@@ -104,7 +100,7 @@ def test_three_steps_float64(arch, opt):
 @pytest.mark.parametrize("arch,opt", [("resnet18", "sgd"), ("resnet50", "nesterov")])
 def test_one_step_float32(arch, opt):
     got, want = _run(arch, opt, np.float32, steps=1, size=64)
-    errors = _rel_errors(got, want)
+    errors = rel_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-4, (worst, errors[worst])
 
@@ -117,6 +113,6 @@ def test_three_steps_float64_as_lowered_off_the_cpu(arch, monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     with jax.enable_x64(True):
         got, want = _run(arch, "sgd", np.float64, steps=3)
-    errors = _rel_errors(got, want)
+    errors = rel_errors(got, want)
     worst = max(errors, key=errors.get)
     assert errors[worst] <= 1e-8, (worst, errors[worst])
