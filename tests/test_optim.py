@@ -86,6 +86,9 @@ L = torch.optim.lr_scheduler
     ("cosine", lambda o: L.CosineAnnealingLR(o, 17), lambda: optim.cosine_annealing_lr(0.1, 17)),
     ("cosine_eta_min", lambda o: L.CosineAnnealingLR(o, 10, eta_min=1e-3), lambda: optim.cosine_annealing_lr(0.1, 10, 1e-3)),
     ("linear", lambda o: L.LinearLR(o, start_factor=0.1, total_iters=9), lambda: optim.linear_warmup(0.1, total_iters=9, start_factor=0.1)),
+    ("exponential", lambda o: L.ExponentialLR(o, 0.93), lambda: optim.exponential_lr(0.1, 0.93)),
+    ("constant", lambda o: L.ConstantLR(o, factor=0.1, total_iters=9), lambda: optim.constant_lr(0.1, factor=0.1, total_iters=9)),
+    ("constant_default", lambda o: L.ConstantLR(o), lambda: optim.constant_lr(0.1)),
 ])
 def test_schedules_match_torch(name, make_torch, make_ours):
     n = 100  # past T_max: torch's cosine recursion rises again; ours follows it
@@ -204,6 +207,13 @@ def test_adamw_maximize_matches_torch():
     (lambda: optim.multistep_lr(0.1, [2], gamma=None), "`gamma` (=None) must be a finite number"),
     (lambda: optim.cosine_annealing_lr(0.1, 5, eta_min=None), "`eta_min` (=None) must be a finite number"),
     (lambda: optim.linear_warmup(0.1, total_iters=5, start_factor=None), "`start_factor` (=None) must be a finite number"),
+    (lambda: optim.exponential_lr(0.1, float("nan")), "`gamma` (=nan) must be a finite number"),
+    (lambda: optim.exponential_lr(-0.1, 0.9), "`base_lr` (=-0.1) must be a finite number >= 0"),
+    (lambda: optim.constant_lr(0.1, factor=None), "`factor` (=None) must be a finite number"),
+    (lambda: optim.constant_lr(0.1, total_iters=2.5), "`total_iters` (=2.5) must be a whole number >= 0"),
+    # torch's positional order (factor, total_iters), as linear_warmup takes them: keywords only
+    (lambda: optim.constant_lr(0.1, 0.5, 4), "constant_lr takes factor and total_iters as keywords, as torch's "
+                                             "ConstantLR(optimizer, factor, total_iters) names them (got (0.5, 4) by"),
     # A schedule where optax takes none: float() of a function (sgd), or a failure at the first update (adamw).
     (lambda: optim.sgd(0.1, momentum=lambda step: 0.9), "`momentum` (=<function"),
     (lambda: optim.adamw(0.1, eps=lambda step: 1e-8), "`eps` (=<function"),

@@ -389,14 +389,27 @@ def test_schedule_edge_cases_match_torch(make_torch, make_ours, lr):
     (lambda o: L.CosineAnnealingLR(o, 10), lambda: optim.cosine_annealing_lr(0.1, 10)),
     (lambda o: L.MultiStepLR(o, [4, 8], 0.1), lambda: optim.multistep_lr(0.1, [4, 8], 0.1)),
     (lambda o: L.StepLR(o, 3, 0.5), lambda: optim.step_lr(0.1, 3, 0.5)),
+    (lambda o: L.ExponentialLR(o, 0.8), lambda: optim.exponential_lr(0.1, 0.8)),
 ])
-def test_join_schedules_is_sequential_lr(warmup, make_torch, make_ours):
+@pytest.mark.parametrize("make_torch_warmup, make_warmup", [
+    (lambda o, n: L.LinearLR(o, 0.1, 1.0, n), lambda n: optim.linear_warmup(0.1, total_iters=n, start_factor=0.1)),
+    (lambda o, n: L.ConstantLR(o, 0.1, n), lambda n: optim.constant_lr(0.1, factor=0.1, total_iters=n)),
+])
+def test_join_schedules_is_sequential_lr(warmup, make_torch, make_ours, make_torch_warmup, make_warmup):
     """torch's SequentialLR restarts the second scheduler at step 0 at the milestone (the lr
     there is the second schedule's start, not the warm-up's end); `optax.join_schedules` does
     the same, with the milestone as its boundary."""
-    want = torch_lrs(lambda o: L.SequentialLR(o, [L.LinearLR(o, 0.1, 1.0, warmup), make_torch(o)], [warmup]), 40)
-    got = _ours(optax.join_schedules([optim.linear_warmup(0.1, total_iters=warmup, start_factor=0.1), make_ours()], [warmup]), 40)
+    want = torch_lrs(lambda o: L.SequentialLR(o, [make_torch_warmup(o, warmup), make_torch(o)], [warmup]), 40)
+    got = _ours(optax.join_schedules([make_warmup(warmup), make_ours()], [warmup]), 40)
     np.testing.assert_allclose(got, want, rtol=1e-15, atol=0)
+
+
+def test_constant_lr_returns_to_the_lr_as_torch_bit_for_bit():
+    """torch ends ConstantLR by multiplying `lr * factor` by `1 / factor`: 0.1 * 0.1 * 10 is
+    0.10000000000000002, not 0.1 (an ulp, which a tolerance would let through)."""
+    want = torch_lrs(lambda o: L.ConstantLR(o, factor=0.1, total_iters=3), 8)
+    assert want[-1] != 0.1
+    np.testing.assert_array_equal(_ours(optim.constant_lr(0.1, factor=0.1, total_iters=3), 8), want)
 
 
 def test_per_epoch_sgd_run_matches_torch_stepping_its_scheduler_each_epoch():
@@ -430,6 +443,7 @@ def test_per_epoch_sgd_run_matches_torch_stepping_its_scheduler_each_epoch():
     (lambda p: torch.optim.AdamW(p, eps=float("nan")), lambda: optim.adamw(eps=float("nan")), "`eps` (=nan)"),
     (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.0), lambda: optim.linear_warmup(0.1, total_iters=5, start_factor=0.0), "`start_factor` (=0.0) must be in (0, 1]"),
     (lambda p: L.LinearLR(torch.optim.SGD(p, lr=0.1), 0.5, 1.5), lambda: optim.linear_warmup(0.1, total_iters=5, start_factor=0.5, end_factor=1.5), "`end_factor` (=1.5) in [0, 1]"),
+    (lambda p: L.ConstantLR(torch.optim.SGD(p, lr=0.1), 1.5), lambda: optim.constant_lr(0.1, factor=1.5), "`factor` (=1.5) must be in (0, 1]"),
 ])
 def test_refuses_what_torch_refuses_with_the_argument_named(make_torch, call, message):
     with pytest.raises(ValueError):
@@ -445,6 +459,8 @@ def test_refuses_what_torch_refuses_with_the_argument_named(make_torch, call, me
     (lambda: optim.sgd(0.1, momentum=0.9, dampening=float("inf")), "`dampening` (=inf) must be a finite number"),
     (lambda: optim.step_lr(0.1, 0), "`step_size` (=0) must be a whole number >= 1"),
     (lambda: optim.cosine_annealing_lr(0.1, 0), "`t_max` (=0) must be a whole number >= 1"),
+    # torch takes a factor of 0, then divides by it at total_iters (ZeroDivisionError)
+    (lambda: optim.constant_lr(0.1, factor=0.0), "`factor` (=0.0) must be in (0, 1]"),
     # torch's AMSGrad maximum is over the uncorrected second moment, optax's over the corrected one
     (lambda: optim.adamw(amsgrad=True), "`amsgrad` (=True) is not supported"),
 ])
@@ -637,6 +653,7 @@ def test_schedules_take_a_whole_float_step_and_refuse_a_fractional_one(make_torc
     (lambda o: L.StepLR(o, 1, 1e10), lambda: optim.step_lr(1.0, 1, 1e10)),
     (lambda o: L.StepLR(o, 2, -1e100), lambda: optim.step_lr(1.0, 2, -1e100)),
     (lambda o: L.StepLR(o, 1, 2.0), lambda: optim.step_lr(1.0, 1, 2.0)),
+    (lambda o: L.ExponentialLR(o, 2.0), lambda: optim.exponential_lr(1.0, 2.0)),
     (lambda o: L.MultiStepLR(o, list(range(1, 40)), 1e10), lambda: optim.multistep_lr(1.0, list(range(1, 40)), 1e10)),
 ])
 def test_growing_schedules_overflow_to_inf_as_torch(make_torch, make_ours):

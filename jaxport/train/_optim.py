@@ -404,10 +404,11 @@ def adamw(
 #
 # torch computes most schedules recursively from the previous lr, so each schedule runs torch's
 # recursion once in Python floats and looks the value up by step. The table covers every value
-# the schedule can take (StepLR: one entry per decay; MultiStepLR: one per milestone; LinearLR:
-# the warm-up, then it is constant), so any step count is exact. Only where a table would be
-# unbounded is a closed form used past it, equal to torch's recursion within rounding:
-# CosineAnnealingLR past max(T_max, 10,000) steps, and StepLR past 100,000 decays.
+# the schedule can take (StepLR and ExponentialLR: one entry per decay; MultiStepLR: one per
+# milestone; LinearLR and ConstantLR: the warm-up, then it is constant), so any step count is
+# exact. Only where a table would be unbounded is a closed form used past it, equal to torch's
+# recursion within rounding: CosineAnnealingLR past max(T_max, 10,000) steps, and StepLR
+# (ExponentialLR) past 100,000 decays.
 
 _COSINE_EXACT = 10_000
 _MAX_DECAYS = 100_000
@@ -527,6 +528,14 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     The table is a constant of the jitted update (8 bytes a step), so `t_max` is limited to
     10,000,000 (ConfigError past it; optax.cosine_decay_schedule is the closed form).
     """
+    return _cosine(base_lr, t_max, eta_min)
+
+
+def _cosine(base_lr: float, t_max: int, eta_min: float = 0.0, *, restarted: bool = False) -> Schedule:
+    """`cosine_annealing_lr`; `restarted`: as torch's `SequentialLR` runs it after a milestone,
+    where it sets the scheduler to step 0 by its closed form, `eta_min + (base - eta_min) (1 +
+    cos 0) / 2`, and recurses from that value on. With an `eta_min` it can be an ulp off
+    `base_lr` (0.0123 with eta_min 1e-3: 0.012300000000000002), and the recursion carries it."""
     base_lr = _check_base_lr(base_lr)
     t_max = whole("t_max", t_max, 1)
     if t_max > _COSINE_MAX:
@@ -537,7 +546,7 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
     lrs, lr = [], base_lr
     for t in range(max(t_max, _COSINE_EXACT) + 1):
         if t == 0:
-            lr = base_lr
+            lr = eta_min + (base_lr - eta_min) * (1 + math.cos(math.pi * 0 / t_max)) / 2 if restarted else base_lr
         elif (t - 1 - t_max) % (2 * t_max) == 0:
             lr = lr + (base_lr - eta_min) * (1 - math.cos(math.pi / t_max)) / 2
         else:
@@ -550,6 +559,44 @@ def cosine_annealing_lr(base_lr: float, t_max: int, eta_min: float = 0.0) -> Sch
         return eta_min + (base_lr - eta_min) * jnp.cos(jnp.pi / 2 * phase) ** 2
 
     return _lookup(lrs, lambda count: count, closed_form)
+
+
+def exponential_lr(base_lr: float, gamma: float) -> Schedule:
+    """torch's `ExponentialLR(gamma)`: `lr *= gamma` at every step.
+
+    torch multiplies the previous lr by `gamma` (its closed form `base_lr * gamma ** t` differs
+    in the last bits), which is `step_lr(base_lr, 1, gamma)`'s recursion: exact at every step,
+    one table entry per step until the lr stops changing or for 100,000 steps, then
+    `lr * gamma ** k`, equal within rounding. `gamma` > 1 grows to inf, as torch's lr does.
+    """
+    return step_lr(base_lr, 1, gamma)
+
+
+def constant_lr(base_lr: float, *positional, factor: float = 1.0 / 3, total_iters: int = 5) -> Schedule:
+    """torch's `ConstantLR(factor, total_iters)`: `base_lr * factor` for the first `total_iters`
+    steps, then `base_lr` again.
+
+    Value for value: torch returns to the lr by multiplying `base_lr * factor` by `1 / factor`
+    at step `total_iters` (0.1 * 0.1 * (1 / 0.1) is 0.10000000000000002), as here; with
+    `total_iters=0` it stays at `base_lr * factor`, as torch's. Combine with a decay the way
+    torch's `SequentialLR` does, with `optax.join_schedules([constant_lr(...), step_lr(...)],
+    [total_iters])`. `factor` and `total_iters` are keywords, as for `linear_warmup`.
+    """
+    if positional:
+        raise ConfigError(f"constant_lr takes factor and total_iters as keywords, as torch's ConstantLR(optimizer, "
+                          f"factor, total_iters) names them (got {positional} by position): "
+                          f"constant_lr({base_lr!r}, factor=..., total_iters=...)")
+    base_lr = _check_base_lr(base_lr)
+    factor = finite("factor", factor)
+    if not 0 < factor <= 1:
+        # torch takes 0 too, then divides by it at step total_iters (ZeroDivisionError)
+        raise ConfigError(f"`factor` (={factor}) must be in (0, 1]: the lr is multiplied by it, then by 1 / factor "
+                          "at `total_iters`, as torch's ConstantLR")
+    total_iters = whole("total_iters", total_iters, 0)
+    lrs = [base_lr * factor] * max(total_iters, 1)
+    if total_iters:
+        lrs.append(lrs[-1] * (1.0 / factor))
+    return _lookup(lrs, lambda count: count)
 
 
 def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> optax.GradientTransformation:

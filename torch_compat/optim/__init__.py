@@ -2,9 +2,10 @@
 
 `sgd` and `adamw` reproduce `torch.optim.SGD` / `torch.optim.AdamW` update for update, and
 `clip_grad_norm` torch's `clip_grad_norm_`;
-`step_lr`, `multistep_lr`, `cosine_annealing_lr` and `linear_warmup` reproduce torch's
-`StepLR`, `MultiStepLR`, `CosineAnnealingLR` and `LinearLR` values exactly. They are pure optax
-(implemented in `jaxport.train._optim`, so the JAX training loop needs no torch).
+`step_lr`, `multistep_lr`, `exponential_lr`, `cosine_annealing_lr`, `linear_warmup` and
+`constant_lr` reproduce torch's `StepLR`, `MultiStepLR`, `ExponentialLR`, `CosineAnnealingLR`,
+`LinearLR` and `ConstantLR` values exactly. They are pure optax (implemented in
+`jaxport.train._optim`, so the JAX training loop needs no torch).
 
 torch idioms, the optax way (each checked against torch in tests/test_optim_probe.py):
 
@@ -16,14 +17,17 @@ torch idioms, the optax way (each checked against torch in tests/test_optim_prob
   `state.hyperparams["learning_rate"]`;
 * `scheduler.step()` per epoch: `per_epoch(schedule, steps_per_epoch)`;
 * `SequentialLR([warm-up, decay], [n])`: `optax.join_schedules([linear_warmup(...), decay], [n])`
-  (the decay restarts at its step 0 at the milestone, as in torch);
+  or with `constant_lr(...)` (the decay restarts at its step 0 at the milestone, as in torch;
+  torch sets a cosine's step 0 there by its closed form, an ulp off the lr with an `eta_min`);
 * `clip_grad_norm_(model.parameters(), max_norm)` before `opt.step()`: `optax.chain(
   clip_grad_norm(max_norm), sgd(...))`; with frozen parameters, zero their gradients before the
   clip (see `clip_grad_norm`), as torch leaves them out of the norm.
 """
 from jaxport.train._optim import adamw as adamw
 from jaxport.train._optim import clip_grad_norm as clip_grad_norm
+from jaxport.train._optim import constant_lr as constant_lr
 from jaxport.train._optim import cosine_annealing_lr as cosine_annealing_lr
+from jaxport.train._optim import exponential_lr as exponential_lr
 from jaxport.train._optim import linear_warmup as linear_warmup
 from jaxport.train._optim import multistep_lr as multistep_lr
 from jaxport.train._optim import per_epoch as per_epoch
