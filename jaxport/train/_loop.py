@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._args import finite, is_int, is_real, one_of
+from .._args import finite, is_int, is_real, one_of, shell_word
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
-from . import _checkpoint, _data, _distributed, _memory
+from . import _checkpoint, _data, _distributed, _memory, _recipe
 from ._init import fit_head, load_init
-from ._optim import cosine_annealing_lr, per_epoch, sgd
 from ._step import (RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
                     make_train_step, shard_batch)
 
@@ -52,8 +51,10 @@ _NOT_TRAINED = {
 class TrainConfig:
     """Everything a run depends on; `jaxport train`'s flags map one to one.
 
-    The learning rate follows torch's `CosineAnnealingLR(T_max=epochs)` stepped per epoch;
-    the optimizer is torch's SGD (`torch_compat.optim.sgd`) with `momentum` and `weight_decay`.
+    The optimizer settings are torchvision's `references/classification/train.py` flags, with
+    their names, defaults (but `lr`, `weight_decay`) and meanings (`_recipe`): by default torch's
+    SGD (`torch_compat.optim.sgd`) with `momentum` and `weight_decay`, its learning rate
+    following torch's `CosineAnnealingLR(T_max=epochs)` stepped per epoch.
     """
 
     workdir: str
@@ -63,8 +64,20 @@ class TrainConfig:
     batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
     image_size: int = 32
     lr: float = 0.05
-    momentum: float = 0.9
+    momentum: float = 0.9  # SGD's (AdamW has none)
     weight_decay: float = 5e-4
+    # torchvision's recipe: "sgd", "sgd-nesterov" (any name starting with sgd, with nesterov in it)
+    # or "adamw", in any case
+    opt: str = "sgd"
+    norm_weight_decay: float | None = None  # the BatchNorm parameters' weight decay; None: weight_decay
+    lr_scheduler: str = "cosineannealinglr"  # or "steplr", "exponentiallr" (any case)
+    lr_step_size: int = 30  # steplr: epochs between decays
+    lr_gamma: float = 0.1  # steplr, exponentiallr: the factor of each decay
+    lr_min: float = 0.0  # cosineannealinglr: eta_min
+    lr_warmup_epochs: int = 0  # epochs before the scheduler (cosine's T_max is epochs - these)
+    lr_warmup_method: str = "constant"  # "linear" (torch's LinearLR) or "constant" (ConstantLR)
+    lr_warmup_decay: float = 0.01  # the warm-up's start factor
+    clip_grad_norm: float | None = None  # torch's clip_grad_norm_ of all gradients, before each step
     seed: int = 0
     sync_bn: bool = False
     # Per-device BatchNorm's running statistics after each step: "mean" over the devices, or
@@ -136,6 +149,7 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
     for name in ("momentum", "weight_decay"):
         finite("--" + name.replace("_", "-"), getattr(cfg, name), minimum=0)
+    _recipe.check(cfg)
     if cfg.batch_size != "auto" and (not is_int(cfg.batch_size) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
     # Was a bare TypeError ("'>' not supported") after a compile, or "more than the -0 MiB available".
@@ -171,6 +185,7 @@ def _plain(cfg: TrainConfig) -> TrainConfig:
         return int(value) if isinstance(value, np.integer) else float(value) if isinstance(value, np.floating) else value
     values = {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     values["dtype"] = next(name for name in DTYPES if cfg.dtype == name)
+    values |= _recipe.names(cfg)  # torchvision's names in any case: SGD_Nesterov is sgd-nesterov
     return dataclasses.replace(cfg, **values)
 
 
@@ -328,9 +343,9 @@ def _latest_step(workdir: str) -> int | None:
 def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
-    shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", "seed", "sync_bn",
-              "bn_stats", "label_smoothing", "resume", "dtype", "checkpoint_every", "keep_checkpoints", "max_steps",
-              "devices", "num_processes")
+    shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
+              "seed", "sync_bn", "bn_stats", "label_smoothing", "resume", "dtype", "checkpoint_every",
+              "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
@@ -459,6 +474,7 @@ def _check_resumable_early(cfg: TrainConfig, data, files) -> tuple[int | None, d
     if saved is not None:
         batch = {} if cfg.batch_size == "auto" else {"batch_size": cfg.batch_size}  # auto: not known yet
         _check_resumable(saved, _run_meta(cfg, data, files) | batch, cfg.workdir)
+        _check_optimizer_state(saved.get("settings"), _settings(cfg), cfg.workdir)
     return step, saved
 
 
@@ -472,23 +488,48 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 
 
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
-# checkpoint so the change is said, never silent.
-_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", "sync_bn", "bn_stats", "label_smoothing", "dtype")
+# checkpoint so the change is said, never silent. Those that fix the optimizer state's structure
+# change only where it stays the same (`_check_optimizer_state`).
+_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "label_smoothing",
+              "dtype")
 # What checkpoints written before a setting was recorded trained with, so that a resume with
-# another value says so too.
-_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0}
+# another value says so too (and one with the same values, silently).
+_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, **_recipe.DEFAULTS}
+
+
+def _settings(cfg: TrainConfig) -> dict:
+    """The settings every checkpoint records, for a resumed run to compare (`_changes`)."""
+    return {k: getattr(cfg, k) for k in _RESUMABLE}
 
 
 def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
-    """A momentum of 0 keeps no momentum buffer and a weight decay of 0 no decay step (as torch):
-    the optimizer state then has another structure, which a checkpoint cannot be restored into."""
-    for key in ("momentum", "weight_decay"):
-        if saved is not None and key in saved and (saved[key] == 0) != (now[key] == 0):
-            flag = "--" + key.replace("_", "-")
-            raise ConfigError(f"--resume: `{flag}` (={now[key]}) cannot continue the run in {workdir}, trained with "
-                              f"{flag} {saved[key]}: changing it to or from 0 changes what the optimizer keeps "
-                              f"(its state), so the checkpoint cannot be restored; resume with a {flag} that is "
-                              f"{'0' if saved[key] == 0 else 'not 0'}, or start a new --workdir")
+    """Refuse to resume into an optimizer state of another structure than the checkpoint's, which
+    it cannot be restored into (`_recipe.state_structure`): another optimizer, weight decay
+    groups, or (SGD) a momentum or weight decay changed to or from 0, as torch keeps no momentum
+    buffer or decay step for 0."""
+    if saved is None:  # written before settings were recorded: the restore says what differs
+        return
+    saved = _BEFORE_RECORDED | saved
+    for (key, was), (_, is_) in zip(_recipe.state_structure(saved), _recipe.state_structure(now)):
+        if was == is_:
+            continue
+        flag, old, new = "--" + key.replace("_", "-"), saved[key], now[key]
+        if key == "opt":
+            raise ConfigError(f"--resume: `--opt` (={new}) cannot continue the run in {workdir}, trained with --opt "
+                              f"{old}: SGD and AdamW keep different optimizer states (a momentum buffer; two moment "
+                              f"estimates), so the checkpoint cannot be restored; resume with --opt {old}, or start a "
+                              f"new --workdir (--init {shell_word(workdir)} starts it from these weights)")
+        if key == "norm_weight_decay" and (old is None) != (new is None):
+            trained = "without it" if old is None else f"with --norm-weight-decay {old}"
+            fix = "without --norm-weight-decay" if old is None else f"with --norm-weight-decay {old}"
+            raise ConfigError(f"--resume: `--norm-weight-decay` (={'not given' if new is None else new}) cannot continue "
+                              f"the run in {workdir}, trained {trained}: a --norm-weight-decay keeps the BatchNorm "
+                              "parameters' optimizer state apart from the others' (torch's two param groups), so the "
+                              f"checkpoint cannot be restored; resume {fix}, or start a new --workdir")
+        raise ConfigError(f"--resume: `{flag}` (={new}) cannot continue the run in {workdir}, trained with "
+                          f"{flag} {old}: changing it to or from 0 changes what the optimizer keeps "
+                          f"(its state), so the checkpoint cannot be restored; resume with a {flag} that is "
+                          f"{'0' if old == 0 else 'not 0'}, or start a new --workdir")
 
 
 def _changes(saved: dict | None, now: dict, batch: int | None = None, trains: bool = True) -> str:
@@ -500,6 +541,8 @@ def _changes(saved: dict | None, now: dict, batch: int | None = None, trains: bo
         name = "--" + k.replace("_", "-")
         if isinstance(now[k], bool):
             return f"{name} (was off)" if now[k] else f"no {name} (was on)"
+        if now[k] is None or saved[k] is None:  # an optional setting: "--clip-grad-norm 1.0 (was off)"
+            return f"no {name} (was {saved[k]})" if now[k] is None else f"{name} {now[k]} (was off)"
         return f"{name} {now[k]} (was {saved[k]})"
 
     saved = _BEFORE_RECORDED | saved
@@ -513,8 +556,9 @@ def _changes(saved: dict | None, now: dict, batch: int | None = None, trains: bo
         changed.append(f"{n} device(s) (was {was}{bn})")
     if not changed:
         return ""
-    schedule = (" (the cosine schedule now ends at the new --epochs)"
-                if trains and saved.get("epochs") != now["epochs"] else "")
+    # (the other schedulers do not depend on --epochs)
+    schedule = (" (the cosine schedule now ends at the new --epochs)" if trains and saved.get("epochs") != now["epochs"]
+                and now["lr_scheduler"] == "cosineannealinglr" else "")
     return f" with changed settings: {', '.join(changed)}{schedule}"
 
 
@@ -810,8 +854,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     else:
         check_batch_size(cfg.batch_size, n_dev, "--batch-size")
         steps_per_epoch = data.train.num_examples // cfg.batch_size
-    tx_for = lambda spe: sgd(per_epoch(cosine_annealing_lr(cfg.lr, cfg.epochs), max(spe, 1)),  # noqa: E731
-                            momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    tx_for = lambda spe: _recipe.optimizer(cfg, spe)  # noqa: E731
     if cfg.batch_size == "auto":
         _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         tx = tx_for(1)
@@ -858,7 +901,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         remove_temporaries(cfg.workdir, OUTPUTS)
     meta = _run_meta(cfg, data, files) | {
         "batch_size": batch, "epoch_sums": [0.0, 0.0, 0.0],
-        "settings": {k: getattr(cfg, k) for k in _RESUMABLE} | {"num_devices": n_dev}}
+        "settings": _settings(cfg) | {"num_devices": n_dev}}
     metrics_path = os.path.join(cfg.workdir, "metrics.jsonl")
     result: dict = {}
     bar = None
@@ -1053,7 +1096,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                         raise Interrupted(stops.signum, gstep, cfg.workdir)
                     break
                 row = {"epoch": epoch, "step": gstep, "train_loss": sums[0] / sums[2], "train_acc": sums[1] / sums[2],
-                       "lr": float(cosine_annealing_lr(cfg.lr, cfg.epochs).table[epoch]),
+                       "lr": _recipe.epoch_lr(cfg, epoch),
                        "images_per_s": ((seen - unrated) / (elapsed - (t_rate - t0)) if seen > unrated else
                                         seen / elapsed if seen else None),
                        "seconds": elapsed}
@@ -1111,7 +1154,7 @@ def _save_final(state, cfg: TrainConfig, step: int) -> None:
 
 def _diverged(what: str, step: int, mngr, cfg: TrainConfig) -> DivergedError:
     good = mngr.latest_step()
-    lower = f"a lower --lr (now {cfg.lr}; --momentum {cfg.momentum})"
+    lower = f"a lower --lr (now {cfg.lr}{'' if cfg.opt == 'adamw' else f'; --momentum {cfg.momentum}'})"
     kept = (f"the latest checkpoint, step {good}, is intact: rerun with --resume and {lower} to continue from it"
             if good is not None else f"no checkpoint was written: train again with {lower}")
     err = DivergedError(f"training diverged: {what} at step {step}; nothing non-finite was saved, and {kept} "
