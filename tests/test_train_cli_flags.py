@@ -55,6 +55,14 @@ def _parsed(*flags) -> TrainConfig:
     (["--weight-decay", "0,0005"], "`--weight-decay` (='0,0005') must be a number; use --weight-decay 0.0005"),
     (["--label-smoothing", "x"], "`--label-smoothing` (='x') must be a number, e.g. --label-smoothing 0.1"),
     (["--label-smoothing", "0,1"], "`--label-smoothing` (='0,1') must be a number; use --label-smoothing 0.1"),
+    (["--lr-step-size", "2.5"], "`--lr-step-size` (=2.5) must be an integer >= 1; use --lr-step-size 2 or --lr-step-size 3"),
+    (["--lr-warmup-epochs", "x"], "`--lr-warmup-epochs` (='x') must be an integer >= 0"),
+    (["--lr-gamma", "0,5"], "`--lr-gamma` (='0,5') must be a number; use --lr-gamma 0.5"),
+    (["--lr-min", "x"], "`--lr-min` (='x') must be a number, e.g. --lr-min 0.0"),
+    (["--lr-warmup-decay", "x"], "`--lr-warmup-decay` (='x') must be a number, e.g. --lr-warmup-decay 0.01"),
+    (["--norm-weight-decay", "x"], "`--norm-weight-decay` (='x') must be a number, e.g. --norm-weight-decay 0.0"),
+    (["--clip-grad-norm", "x"], "`--clip-grad-norm` (='x') must be a number, e.g. --clip-grad-norm 1.0"),
+    (["--wd", "0,0005"], "`--weight-decay` (='0,0005') must be a number; use --weight-decay 0.0005"),  # torchvision's alias
 ])
 def test_a_value_of_the_wrong_type_is_one_line_with_the_fix(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -84,6 +92,15 @@ ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, r
                           "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
     (["--bn-stats", "frist"], "`--bn-stats` (='frist') must be one of mean, first; did you mean --bn-stats first?"),
     (["--bn-stats", "avg"], "`--bn-stats` (='avg') must be one of mean, first"),
+    (["--opt", "adam"], "`--opt` (='adam') must be one of sgd, sgd-nesterov, adamw; did you mean --opt adamw?"),
+    (["--opt", "nesterov"], "`--opt` (='nesterov') must be one of sgd, sgd-nesterov, adamw; did you mean --opt "
+                            "sgd-nesterov?"),
+    (["--lr-scheduler", "cosine"], "`--lr-scheduler` (='cosine') must be one of cosineannealinglr, steplr, "
+                                   "exponentiallr; did you mean --lr-scheduler cosineannealinglr?"),
+    (["--lr-scheduler", "step_lr"], "`--lr-scheduler` (='step_lr') must be one of cosineannealinglr, steplr, "
+                                    "exponentiallr; did you mean --lr-scheduler steplr?"),
+    (["--lr-warmup-method", "lin"], "`--lr-warmup-method` (='lin') must be one of linear, constant; did you mean "
+                                    "--lr-warmup-method linear?"),
 ])
 def test_a_misspelt_name_suggests_the_closest(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -101,8 +118,10 @@ def test_a_misspelt_name_suggests_the_closest(capsys, tmp_path, flags, message):
                 "--data data/"),
     # argparse's own errors stay argparse's words, on one line, pointing at the help.
     (["--epochs"], "argument --epochs: expected one argument; see `jaxport train --help`"),
-    (["--w", "x"], "ambiguous option: --w could match --weight-decay, --workdir, --workers; see "
+    (["--w", "x"], "ambiguous option: --w could match --weight-decay, --wd, --workdir, --workers; see "
                    "`jaxport train --help`"),
+    (["--lr-warmup", "1"], "ambiguous option: --lr-warmup could match --lr-warmup-epochs, --lr-warmup-method, "
+                           "--lr-warmup-decay; see `jaxport train --help`"),
 ])
 def test_unknown_flags_and_argparse_errors_are_one_line_with_the_fix(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -129,6 +148,36 @@ def test_a_missing_workdir_is_one_line(capsys):
     *[(["--label-smoothing", v], f"`--label-smoothing` (={v}) must be a number from 0 to 1, as torch's "
                                  "CrossEntropyLoss takes: the weight of the uniform target, e.g. 0.1; 0 for plain "
                                  "cross-entropy") for v in ("1.5", "-0.1", "nan")],
+    # torchvision's train.py takes RMSprop; jaxport does not reproduce it
+    (["--opt", "RMSprop"], "`--opt` (='RMSprop') is not supported: jaxport reproduces torch's SGD and AdamW; use --opt "
+                           "sgd, sgd-nesterov or adamw"),
+    (["--opt", "sgd-nesterov", "--momentum", "0"], "`--opt` (=sgd-nesterov) needs `--momentum` > 0 (it is 0.0): "
+                                                   "nesterov momentum without momentum, which torch refuses; use --opt "
+                                                   "sgd, or a --momentum such as 0.9"),
+    # a cosine over the epochs after the warm-up: T_max = 0 divided by zero in torch
+    (["--epochs", "3", "--lr-warmup-epochs", "3"], "`--lr-warmup-epochs` (=3) must be less than `--epochs` (=3) with "
+                                                   "--lr-scheduler cosineannealinglr, which anneals over the epochs "
+                                                   "after the warm-up (T_max = epochs - warm-up epochs = 0); use "
+                                                   "--lr-warmup-epochs 2 or fewer, or --epochs 4 or more"),
+    (["--lr-step-size", "0"], "`--lr-step-size` (=0) must be an integer >= 1: the epochs between the decays of "
+                              "--lr-scheduler steplr, e.g. 30"),
+    (["--lr-step-size", "-2"], "`--lr-step-size` (=-2) must be an integer >= 1: the epochs between the decays of "
+                               "--lr-scheduler steplr, e.g. 30"),
+    (["--lr-warmup-epochs", "-1"], "`--lr-warmup-epochs` (=-1) must be an integer >= 0: the epochs of warm-up before "
+                                   "the --lr-scheduler, 0 for none"),
+    *[(["--lr-gamma", v], f"`--lr-gamma` (={v}) must be a finite number > 0: the factor --lr-scheduler steplr or "
+                          "exponentiallr multiplies the lr by at each decay, e.g. 0.1") for v in ("0.0", "-0.5", "nan")],
+    (["--lr-min", "-0.001"], "`--lr-min` (=-0.001) must be a finite number >= 0: the lr that --lr-scheduler "
+                             "cosineannealinglr ends at (torch's eta_min), e.g. 0"),
+    *[(["--lr-warmup-decay", v], f"`--lr-warmup-decay` (={v}) must be a number in (0, 1]: the warm-up starts at --lr "
+                                 "times it (torch's LinearLR start_factor, ConstantLR factor), e.g. 0.01")
+      for v in ("0.0", "1.5", "nan")],
+    (["--norm-weight-decay", "-0.1"], "`--norm-weight-decay` (=-0.1) must be a finite number >= 0 (the weight decay of "
+                                      "the BatchNorm layers' parameters, e.g. 0), or left out to decay them by "
+                                      "--weight-decay"),
+    *[(["--clip-grad-norm", v], f"`--clip-grad-norm` (={v}) must be a finite number > 0 (the largest norm of all "
+                                "gradients together, torch's clip_grad_norm_ max_norm, e.g. 1), or left out for no "
+                                "clipping") for v in ("0.0", "inf")],
 ])
 def test_out_of_range_values_are_refused_before_any_work(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -166,9 +215,53 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--label-smoothing", "0.1"], "label_smoothing", 0.1),
     (["--label-smoothing", "1"], "label_smoothing", 1.0),
     ([], "label_smoothing", 0.0),
+    # torchvision's recipe flags; their defaults are what runs trained with before them
+    ([], "opt", "sgd"),
+    (["--opt", "adamw"], "opt", "adamw"),
+    (["--wd", "1e-4"], "weight_decay", 1e-4),
+    (["--weight-decay", "1e-4"], "weight_decay", 1e-4),
+    ([], "norm_weight_decay", None),
+    (["--norm-weight-decay", "0"], "norm_weight_decay", 0.0),
+    ([], "lr_scheduler", "cosineannealinglr"),
+    (["--lr-scheduler", "steplr"], "lr_scheduler", "steplr"),
+    ([], "lr_step_size", 30),
+    (["--lr-step-size", "2"], "lr_step_size", 2),
+    ([], "lr_gamma", 0.1),
+    (["--lr-gamma", "0.5"], "lr_gamma", 0.5),
+    ([], "lr_min", 0.0),
+    (["--lr-min", "1e-5"], "lr_min", 1e-5),
+    ([], "lr_warmup_epochs", 0),
+    (["--lr-warmup-epochs", "5"], "lr_warmup_epochs", 5),
+    ([], "lr_warmup_method", "constant"),  # torchvision's default
+    (["--lr-warmup-method", "linear"], "lr_warmup_method", "linear"),
+    ([], "lr_warmup_decay", 0.01),
+    (["--lr-warmup-decay", "0.1"], "lr_warmup_decay", 0.1),
+    ([], "clip_grad_norm", None),
+    (["--clip-grad-norm", "1"], "clip_grad_norm", 1.0),
 ])
 def test_values_that_parse(flags, field, value):
     assert getattr(_parsed(*flags), field) == value
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    # torchvision lower-cases --opt and --lr-scheduler, and takes any --opt starting with sgd
+    (["--opt", "SGD"], "opt", "sgd"),
+    (["--opt", "SGD_Nesterov"], "opt", "sgd-nesterov"),
+    (["--opt", "sgd_nesterov"], "opt", "sgd-nesterov"),
+    (["--opt", "AdamW"], "opt", "adamw"),
+    (["--lr-scheduler", "StepLR"], "lr_scheduler", "steplr"),
+    (["--lr-scheduler", "ExponentialLR"], "lr_scheduler", "exponentiallr"),
+    (["--lr-scheduler", "CosineAnnealingLR"], "lr_scheduler", "cosineannealinglr"),
+    (["--lr-warmup-method", "Linear"], "lr_warmup_method", "linear"),
+])
+def test_torchvisions_spellings_are_taken_and_recorded_as_one(tmp_path, flags, field, value):
+    """A run records these names in its checkpoints, and a --resume compares them: `SGD` and
+    `sgd` are one optimizer, and must resume as one."""
+    from jaxport.train._loop import _plain
+
+    cfg = _parsed("--workdir", str(tmp_path / "w"), *flags)
+    cfg.validate()
+    assert getattr(_plain(cfg), field) == value
 
 
 def test_settings_that_change_the_training_must_agree_across_processes():
@@ -181,6 +274,13 @@ def test_settings_that_change_the_training_must_agree_across_processes():
     assert _flags(_parsed("--bn-stats", "first"))["--bn-stats"] == "first"
     assert _flags(_parsed())["--label-smoothing"] == 0.0
     assert _flags(_parsed("--label-smoothing", "0.1"))["--label-smoothing"] == 0.1
+    # torchvision's recipe: another optimizer or schedule on one process trains other weights
+    recipe = ["--opt", "adamw", "--norm-weight-decay", "0", "--lr-scheduler", "steplr", "--lr-step-size", "2",
+              "--lr-gamma", "0.5", "--lr-min", "1e-5", "--lr-warmup-epochs", "1", "--lr-warmup-method", "linear",
+              "--lr-warmup-decay", "0.1", "--clip-grad-norm", "2"]
+    default, given = _flags(_parsed()), _flags(_parsed(*recipe))
+    for flag, value in zip(recipe[::2], recipe[1::2]):
+        assert given[flag] == _parsed(flag, value).__dict__[flag[2:].replace("-", "_")] != default[flag], flag
 
 
 def test_help_shows_every_flag_with_its_real_default(capsys):

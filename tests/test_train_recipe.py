@@ -1,9 +1,10 @@
 """torchvision's classification recipe (`--opt`, `--lr-scheduler`, warm-up, `--norm-weight-decay`,
 `--clip-grad-norm`) against torch, built in each test exactly as `references/classification/train.py`
 builds it: the learning rates of a whole run, the weight decay groups of three architectures,
-and optimizer steps in float64; and what a `--resume` with other settings says or refuses.
+and optimizer steps in float64. Then one `jaxport train` run with a recipe, and its `--resume`.
 """
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -14,10 +15,12 @@ import torch
 import torchvision
 from torchvision.ops._utils import split_normalization_params
 
+from jaxport._cli import main
 from jaxport._errors import ConfigError
 from jaxport.models import build
 from jaxport.train import TrainConfig
 from jaxport.train import _loop, _recipe
+from tests.helpers import write_images
 from torch_compat import table
 
 L = torch.optim.lr_scheduler
@@ -284,3 +287,35 @@ def test_a_resume_into_another_optimizer_state_is_refused_naming_the_flag(saved,
     with pytest.raises(ConfigError) as e:
         _loop._check_optimizer_state(saved, now, "w")
     assert str(e.value).startswith(message), str(e.value)
+
+
+@pytest.mark.slow
+def test_jaxport_train_with_a_recipe_reports_torchs_lr_and_resumes(tmp_path, capsys):
+    """`jaxport train` (in this process, over its 8 devices) with torchvision's flags: each
+    epoch's lr in metrics.jsonl is torch's, a --resume with another --opt is refused before any
+    work, and one with another --lr-gamma and no --clip-grad-norm restores and says so. A
+    2-class folder of 40 images (2 steps an epoch) keeps it to the compilations."""
+    for c in ("a", "b"):
+        write_images(tmp_path / "data" / c, 20)  # 36 train / 4 val
+    work = tmp_path / "w"
+    recipe = ["--opt", "AdamW", "--lr", "1e-3", "--wd", "0.05", "--lr-scheduler", "steplr", "--lr-step-size", "1",
+              "--lr-gamma", "0.1", "--lr-warmup-epochs", "1", "--lr-warmup-method", "linear", "--norm-weight-decay",
+              "0", "--clip-grad-norm", "1"]
+    flags = ["train", "--workdir", str(work), "--data", str(tmp_path / "data"), "--workers", "0", "--image-size", "16",
+             "--batch-size", "16", "--epochs", "2", "--checkpoint-every", "1000", "--no-progress"]
+    assert main(flags + recipe) == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in open(work / "metrics.jsonl")]
+    cfg = _cfg(opt="adamw", lr=1e-3, epochs=2, lr_scheduler="steplr", lr_step_size=1, lr_gamma=0.1,
+               lr_warmup_epochs=1, lr_warmup_method="linear")
+    assert [r["lr"] for r in rows] == list(_torch_lrs(cfg, 1))  # 1e-05, 0.001: the warm-up, then StepLR restarted
+    capsys.readouterr()
+
+    assert main(flags + recipe + ["--resume", "--opt", "sgd"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"jaxport: error: --resume: `--opt` (=sgd) cannot continue the run in {work}, trained with "
+                          "--opt adamw: ") and "resume with --opt adamw" in err and err.count("\n") == 1, err
+
+    assert main(flags + recipe[:-2] + ["--resume", "--lr-gamma", "0.5"]) == 0
+    err = capsys.readouterr().err
+    assert ("resuming from step 4 with changed settings: --lr-gamma 0.5 (was 0.1), no --clip-grad-norm (was 1.0)\n"
+            in err), err

@@ -20,7 +20,8 @@ _NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the o
                                       "call jaxport.train.train(TrainConfig(memory_limit_bytes=N))"}
 # The smallest value each integer flag takes, said in its type error (TrainConfig checks ranges).
 _MINIMUM = {"--epochs": 1, "--image-size": 1, "--seed": 0, "--checkpoint-every": 1, "--keep-checkpoints": 1,
-            "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0}
+            "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0, "--lr-step-size": 1,
+            "--lr-warmup-epochs": 0}
 
 
 def _integer(flag: str, expected: str = ""):
@@ -85,9 +86,10 @@ def add_parser(subparsers) -> None:
     """Register the `train` subcommand on an argparse subparsers object."""
     d = TrainConfig(workdir="")
     p = subparsers.add_parser(
-        "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD)",
+        "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD or AdamW)",
         description="Train data-parallel over all devices. With no --data, trains on the handwritten digits "
-                    "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy.")
+                    "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy. The "
+                    "optimizer flags are torchvision's references/classification/train.py's, with their meanings.")
     # `add_parser` builds with the top-level parser's class; this one adds train's own words.
     p.__class__ = _TrainParser
     p.add_argument("--data", default=None, metavar="DIR",
@@ -96,18 +98,46 @@ def add_parser(subparsers) -> None:
     p.add_argument("--arch", default=d.arch, metavar="ARCH",  # checked, with a suggestion, by TrainConfig
                    help=f"torchvision ResNet name: one of {', '.join(ARCHS)} (default: %(default)s)")
     p.add_argument("--epochs", type=_integer("--epochs"), default=d.epochs, metavar="N",
-                   help="epochs; the cosine schedule ends at the last (default: %(default)s)")
+                   help="epochs; --lr-scheduler cosineannealinglr ends at the last (default: %(default)s)")
     p.add_argument("--batch-size", type=_batch_size, default=d.batch_size, metavar="N",
                    help="global batch (divisible by the device count), or 'auto': the largest that fits "
                         "(default: %(default)s)")
     p.add_argument("--image-size", type=_integer("--image-size"), default=d.image_size, metavar="PIXELS",
                    help="side of the square training images (default: %(default)s)")
     p.add_argument("--lr", type=_real("--lr", d.lr), default=d.lr,
-                   help="peak learning rate (cosine annealed per epoch) (default: %(default)s)")
+                   help="peak learning rate, after the warm-up, scheduled per epoch by --lr-scheduler "
+                        "(default: %(default)s)")
+    p.add_argument("--opt", default=d.opt, metavar="{sgd,sgd-nesterov,adamw}",  # checked by TrainConfig
+                   help="optimizer, torch's SGD, SGD with nesterov momentum, or AdamW (as torchvision: any case, and "
+                        "any name starting with sgd is SGD, nesterov if it contains nesterov) (default: %(default)s)")
     p.add_argument("--momentum", type=_real("--momentum", d.momentum), default=d.momentum,
-                   help="SGD momentum (default: %(default)s)")
-    p.add_argument("--weight-decay", type=_real("--weight-decay", d.weight_decay), default=d.weight_decay,
-                   help="SGD weight decay (L2, as torch's) (default: %(default)s)")
+                   help="SGD momentum (AdamW has none) (default: %(default)s)")
+    p.add_argument("--weight-decay", "--wd", type=_real("--weight-decay", d.weight_decay), default=d.weight_decay,
+                   help="weight decay: SGD's L2, AdamW's decoupled decay, as torch's (default: %(default)s)")
+    p.add_argument("--norm-weight-decay", type=_real("--norm-weight-decay", 0.0), default=d.norm_weight_decay,
+                   metavar="WD", help="weight decay of the BatchNorm layers' parameters, which then form their own "
+                                      "param group, as torchvision's (default: --weight-decay's)")
+    p.add_argument("--lr-scheduler", default=d.lr_scheduler, metavar="{cosineannealinglr,steplr,exponentiallr}",
+                   help="torch's CosineAnnealingLR(T_max=epochs - warm-up epochs, eta_min=--lr-min), "
+                        "StepLR(--lr-step-size, --lr-gamma) or ExponentialLR(--lr-gamma), stepped after each epoch "
+                        "(any case) (default: %(default)s)")
+    p.add_argument("--lr-step-size", type=_integer("--lr-step-size"), default=d.lr_step_size, metavar="EPOCHS",
+                   help="steplr: epochs between decays (default: %(default)s)")
+    p.add_argument("--lr-gamma", type=_real("--lr-gamma", d.lr_gamma), default=d.lr_gamma, metavar="GAMMA",
+                   help="steplr, exponentiallr: the factor each decay multiplies the lr by (default: %(default)s)")
+    p.add_argument("--lr-min", type=_real("--lr-min", d.lr_min), default=d.lr_min, metavar="LR",
+                   help="cosineannealinglr: the lr it ends at (eta_min) (default: %(default)s)")
+    p.add_argument("--lr-warmup-epochs", type=_integer("--lr-warmup-epochs"), default=d.lr_warmup_epochs,
+                   metavar="EPOCHS", help="epochs of warm-up before --lr-scheduler, 0 for none (default: %(default)s)")
+    p.add_argument("--lr-warmup-method", default=d.lr_warmup_method, metavar="{linear,constant}",
+                   help="warm-up from --lr * --lr-warmup-decay: linear, to --lr (torch's LinearLR), or constant "
+                        "(ConstantLR) (default: %(default)s)")
+    p.add_argument("--lr-warmup-decay", type=_real("--lr-warmup-decay", d.lr_warmup_decay),
+                   default=d.lr_warmup_decay, metavar="FACTOR",
+                   help="the warm-up's first lr is --lr times this, in (0, 1] (default: %(default)s)")
+    p.add_argument("--clip-grad-norm", type=_real("--clip-grad-norm", 1.0), default=d.clip_grad_norm,
+                   metavar="MAX_NORM", help="clip the norm of all gradients together before each step, as torch's "
+                                            "clip_grad_norm_ (default: no clipping)")
     p.add_argument("--seed", type=_integer("--seed"), default=d.seed,
                    help="initialisation, data order and augmentation (default: %(default)s)")
     p.add_argument("--workdir", required=True, metavar="DIR",
