@@ -29,6 +29,11 @@ _LAZY = {
     "replicate": ("._step", "replicate"),
     "shard_batch": ("._step", "shard_batch"),
     "load_workdir": ("._checkpoint", "load_workdir"),
+    "EMA": ("._ema", "EMA"),
+    "ema_decay": ("._ema", "ema_decay"),
+    "init_ema": ("._ema", "init_ema"),
+    "restart_ema": ("._ema", "restart_ema"),
+    "update_ema": ("._ema", "update_ema"),
     "digits": ("._data", "digits"),
     "image_folder": ("._data", "image_folder"),
     "Interrupted": ("._loop", "Interrupted"),
@@ -40,10 +45,10 @@ _LAZY = {
     "step_bytes": ("._memory", "step_bytes"),
 }
 __all__ = [  # literal, for the tools that read it; tests/test_layering.py checks it against _LAZY
-    "AXIS", "DivergedError", "Interrupted", "OutOfMemoryError", "TrainConfig", "TrainState",
-    "check_batch_size", "create_state", "cross_entropy", "digits", "image_folder", "largest_batch",
-    "load_workdir", "make_eval_step", "make_mesh", "make_train_step", "replicate", "shard_batch",
-    "step_bytes", "train",
+    "AXIS", "DivergedError", "EMA", "Interrupted", "OutOfMemoryError", "TrainConfig", "TrainState",
+    "check_batch_size", "create_state", "cross_entropy", "digits", "ema_decay", "image_folder", "init_ema",
+    "largest_batch", "load_workdir", "make_eval_step", "make_mesh", "make_train_step", "replicate",
+    "restart_ema", "shard_batch", "step_bytes", "train", "update_ema",
 ]
 
 if _typing.TYPE_CHECKING:  # what static tools see; at run time `__getattr__` below imports on use
@@ -58,6 +63,11 @@ if _typing.TYPE_CHECKING:  # what static tools see; at run time `__getattr__` be
     from ._step import replicate as replicate
     from ._step import shard_batch as shard_batch
     from ._checkpoint import load_workdir as load_workdir
+    from ._ema import EMA as EMA
+    from ._ema import ema_decay as ema_decay
+    from ._ema import init_ema as init_ema
+    from ._ema import restart_ema as restart_ema
+    from ._ema import update_ema as update_ema
     from ._data import digits as digits
     from ._data import image_folder as image_folder
     from ._loop import Interrupted as Interrupted
