@@ -101,7 +101,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 # What a `jaxport train` workdir holds (an export may go beside them, never over them).
-_WORKDIR_FILES = ("checkpoints", "variables.safetensors", "metrics.jsonl", "training_curves.png")
+_WORKDIR_FILES = ("checkpoints", "variables.safetensors", "variables_ema.safetensors", "metrics.jsonl",
+                  "training_curves.png")
 
 
 def _check_output(out: Path, src: Path, what: str) -> None:
@@ -476,13 +477,18 @@ def _cmd_export(args) -> int:
     src, out = Path(args.variables), _out_path(args.out)
     _check_output(out, src, "variables file" if not src.is_dir() else "training workdir")
     # A torch file does not say who wrote it, so even an earlier export is kept without --force.
+    if args.ema and not src.is_dir():
+        raise ConfigError(f"`--ema` (the average of a `jaxport train --model-ema` run) takes a workdir, and '{src}' "
+                          "is a variables file: export it without --ema (a run's average is its "
+                          "variables_ema.safetensors)")
     _refuse_overwrite(out, args.force, "")
     if src.is_dir():
         from .train._checkpoint import checkpoint_dir, read_latest
 
-        variables, recorded, step = read_latest(src)
+        variables, recorded, step = read_latest(src, ema=args.ema)
         # A workdir holds many steps; without this line a user could not tell which one was written.
-        print(f"read: step {step}, the latest checkpoint in {checkpoint_dir(src)}")
+        print(f"read: step {step}{' (its --model-ema average)' if args.ema else ''}, the latest checkpoint in "
+              f"{checkpoint_dir(src)}")
     else:
         variables, metadata = load_with_metadata(src)
         recorded = metadata.get("arch")
@@ -656,6 +662,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True,
                    help="output file: torch.save format (.pt/.pth), or safetensors if it ends in .safetensors")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--ema", action="store_true",
+                   help="a workdir's --model-ema average (torchvision's model_ema) instead of its weights")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("env", help="versions, devices and known-bad combinations",

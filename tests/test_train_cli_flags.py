@@ -38,6 +38,9 @@ def _parsed(*flags) -> TrainConfig:
     (["--epochs", "1.5"], "`--epochs` (=1.5) must be an integer >= 1; use --epochs 1 or --epochs 2"),
     (["--epochs", "1e3"], "`--epochs` (=1e3) must be an integer >= 1; use --epochs 1000"),
     (["--epochs", ""], "`--epochs` (='') must be an integer >= 1"),
+    (["--model-ema-steps", "2.5"], "`--model-ema-steps` (=2.5) must be an integer >= 1; use --model-ema-steps 2 or "
+                                   "--model-ema-steps 3"),
+    (["--model-ema-decay", "0,999"], "`--model-ema-decay` (='0,999') must be a number; use --model-ema-decay 0.999"),
     (["--epochs", "inf"], "`--epochs` (=inf) must be an integer >= 1"),
     (["--image-size", "16.0"], "`--image-size` (=16.0) must be an integer >= 1; use --image-size 16"),
     (["--seed", "abc"], "`--seed` (='abc') must be an integer >= 0"),
@@ -178,6 +181,13 @@ def test_a_missing_workdir_is_one_line(capsys):
     *[(["--clip-grad-norm", v], f"`--clip-grad-norm` (={v}) must be a finite number > 0 (the largest norm of all "
                                 "gradients together, torch's clip_grad_norm_ max_norm, e.g. 1), or left out for no "
                                 "clipping") for v in ("0.0", "inf")],
+    # torchvision's --model-ema: i % 0 divides by zero there; a decay above 1 diverges
+    (["--model-ema", "--model-ema-steps", "0"], "`--model-ema-steps` (=0) must be an integer >= 1: the EMA is updated "
+                                                "every this many steps, e.g. 32"),
+    *[(["--model-ema", "--model-ema-decay", v], f"`--model-ema-decay` (={v}) must be a number in [0, 1]: the EMA's "
+                                                "decay per image of a one-epoch run (scaled by the global batch, "
+                                                "--model-ema-steps and --epochs), e.g. 0.99998")
+      for v in ("1.5", "-0.1", "nan")],
 ])
 def test_out_of_range_values_are_refused_before_any_work(capsys, tmp_path, flags, message):
     assert _refused(capsys, tmp_path, *flags) == message
@@ -238,6 +248,13 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--lr-warmup-decay", "0.1"], "lr_warmup_decay", 0.1),
     ([], "clip_grad_norm", None),
     (["--clip-grad-norm", "1"], "clip_grad_norm", 1.0),
+    # torchvision's --model-ema, with its defaults
+    ([], "model_ema", False),
+    (["--model-ema"], "model_ema", True),
+    ([], "model_ema_steps", 32),
+    (["--model-ema-steps", "4"], "model_ema_steps", 4),
+    ([], "model_ema_decay", 0.99998),
+    (["--model-ema-decay", "0.999"], "model_ema_decay", 0.999),
 ])
 def test_values_that_parse(flags, field, value):
     assert getattr(_parsed(*flags), field) == value
@@ -277,10 +294,12 @@ def test_settings_that_change_the_training_must_agree_across_processes():
     # torchvision's recipe: another optimizer or schedule on one process trains other weights
     recipe = ["--opt", "adamw", "--norm-weight-decay", "0", "--lr-scheduler", "steplr", "--lr-step-size", "2",
               "--lr-gamma", "0.5", "--lr-min", "1e-5", "--lr-warmup-epochs", "1", "--lr-warmup-method", "linear",
-              "--lr-warmup-decay", "0.1", "--clip-grad-norm", "2"]
+              "--lr-warmup-decay", "0.1", "--clip-grad-norm", "2", "--model-ema-steps", "4", "--model-ema-decay", "0.9"]
     default, given = _flags(_parsed()), _flags(_parsed(*recipe))
     for flag, value in zip(recipe[::2], recipe[1::2]):
         assert given[flag] == _parsed(flag, value).__dict__[flag[2:].replace("-", "_")] != default[flag], flag
+    # every process saves its part of each checkpoint: one without the EMA would save other items
+    assert (default["--model-ema"], _flags(_parsed("--model-ema"))["--model-ema"]) == (False, True)
 
 
 def test_help_shows_every_flag_with_its_real_default(capsys):

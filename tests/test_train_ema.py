@@ -6,6 +6,7 @@ between updates is compared leaf for leaf: float64 within 1e-12 of the tensor's 
 integer `num_batches_tracked` counters and `n_averaged` exactly, warm-up restarts included.
 """
 import copy
+import json
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,7 @@ import torch
 import torchvision
 
 from jaxport import ConfigError
-from jaxport.train import EMA, ema_decay, init_ema, restart_ema, update_ema
+from jaxport.train import EMA, TrainConfig, ema_decay, init_ema, restart_ema, update_ema
 from torch_compat import flax_to_torch, torch_to_flax
 from tests.helpers import reference, rel_errors
 
@@ -146,3 +147,118 @@ def test_float32_update_is_torch_s(decay):
     # cancels) and the two roundings of the sum: an ulp of each, at most.
     products = np.maximum(np.abs(np.float32(decay) * avg), np.abs(np.float32(1 - decay) * new))
     assert np.all(np.abs(np.asarray(jitted) - want) <= np.spacing(products) + np.spacing(np.abs(want)))
+
+
+@pytest.mark.slow
+def test_jaxport_train_model_ema_is_torchvisions_through_a_resume(tmp_path, capsys):
+    """`jaxport train --model-ema` (in this process, over its 8 devices), stopped mid-epoch by
+    --max-steps and resumed: its final EMA is torch's `ExponentialMovingAverage` fed the run's
+    own weights (every step checkpointed) on torchvision's schedule: an update after each
+    `i % --model-ema-steps == 0` step of an epoch, `n_averaged` reset in the warm-up epoch.
+    float32, compared within 1e-6 of each tensor's scale (jit's FMA, `update_ema`); counters
+    exactly. metrics.jsonl holds the EMA's evaluation; `jaxport export --ema` loads strictly.
+    A 2-class folder of 80 images (4 steps an epoch at batch 16, not a multiple of the 3 steps
+    between updates) keeps it to the compilations."""
+    from jaxport import load_variables
+    from jaxport._cli import main
+    from jaxport.train import _checkpoint
+    from tests.helpers import write_images
+
+    for c in ("a", "b"):
+        write_images(tmp_path / "data" / c, 40)  # 72 train / 8 val
+    work = tmp_path / "w"
+    flags = ["train", "--workdir", str(work), "--data", str(tmp_path / "data"), "--workers", "0", "--image-size", "16",
+             "--batch-size", "16", "--epochs", "3", "--checkpoint-every", "1", "--keep-checkpoints", "100",
+             "--no-progress", "--lr-warmup-epochs", "1", "--model-ema", "--model-ema-steps", "3",
+             "--model-ema-decay", "0.99"]
+    assert main(flags + ["--max-steps", "6"]) == 0, capsys.readouterr().err
+    # Dropping --model-ema on resume is refused before any work (and adding it, `_check_optimizer_state`).
+    assert main([f for f in flags if f != "--model-ema"] + ["--resume"]) == 2
+    assert "--resume: the run in" in capsys.readouterr().err
+    assert main(flags + ["--resume"]) == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming from step 6\n" in err and "| EMA val loss " in err, err
+
+    steps_per_epoch, decay = 4, ema_decay(0.99, steps=3, global_batch=16, epochs=3)
+    mngr = _checkpoint.manager(str(work), reader=True)
+    try:
+        assert sorted(mngr.all_steps()) == list(range(1, 13))
+        states = {s: _checkpoint._read_as_saved(mngr, s)[0] for s in range(1, 13)}
+        saved_ema, _ = _checkpoint._read_as_saved(mngr, 12, "ema")
+    finally:
+        mngr.close()
+    tmodel = torchvision.models.resnet18(num_classes=2)
+    tema = None
+    for gstep in range(1, 13):
+        epoch, i = divmod(gstep - 1, steps_per_epoch)
+        if i % 3:  # i restarts each epoch: updates after steps 1, 4, 5, 8, 9, 12
+            continue
+        variables = {"params": states[gstep]["params"], "batch_stats": states[gstep]["batch_stats"]}
+        tmodel.load_state_dict(flax_to_torch(variables, "resnet18"))
+        if tema is None:
+            tema = ExponentialMovingAverage(tmodel, decay=decay)
+        tema.update_parameters(tmodel)
+        if epoch < 1:
+            tema.n_averaged.fill_(0)
+    want = {k: v.numpy() for k, v in tema.module.state_dict().items()}
+    final = load_variables(str(work / "variables_ema.safetensors"))
+    got = _torch_sd(final)
+    assert max(rel_errors(got, want).values()) <= 1e-6
+    counters = [k for k in want if k.endswith("num_batches_tracked")]
+    assert all(int(got[k]) == int(want[k]) for k in counters)
+    assert int(saved_ema["n_averaged"]) == int(tema.n_averaged) == 4  # epochs 2 and 3, 2 updates each
+    assert _torch_sd(saved_ema["variables"]).keys() == got.keys()
+    assert all(np.array_equal(v, got[k]) for k, v in _torch_sd(saved_ema["variables"]).items())
+    # The average is not the weights: the plain final file is the last step's.
+    plain = _torch_sd(load_variables(str(work / "variables.safetensors")))
+    assert not np.allclose(plain["conv1.weight"], got["conv1.weight"])
+
+    rows = [json.loads(line) for line in open(work / "metrics.jsonl")]
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert all(0 <= r["val_acc_ema"] <= 1 and np.isfinite(r["val_loss_ema"]) for r in rows)
+
+    out = tmp_path / "ema.pt"
+    assert main(["export", str(work), "--ema", "--out", str(out)]) == 0
+    assert "read: step 12 (its --model-ema average)" in capsys.readouterr().out
+    model = torchvision.models.resnet18(num_classes=2)
+    model.load_state_dict(torch.load(out), strict=True)
+    assert all(np.array_equal(v.numpy(), got[k]) for k, v in model.state_dict().items())
+
+
+def test_a_resume_adding_or_dropping_model_ema_is_refused():
+    """The EMA of the steps already trained would be missing (added) or left stale (dropped).
+    Checkpoints from before the flag trained without it, and resume without it silently."""
+    from jaxport.train import _loop
+
+    now = _loop._settings(TrainConfig(workdir="w"))
+    old = {k: v for k, v in now.items() if not k.startswith("model_ema")}  # recorded before the flag
+    _loop._check_optimizer_state(old, now, "w")
+    assert _loop._changes(old, now) == ""
+    with pytest.raises(ConfigError, match=r"^--resume: `--model-ema` cannot be added to the run in w, trained without "
+                                          r"it: .*; resume without --model-ema, or start a new --workdir"):
+        _loop._check_optimizer_state(old, now | {"model_ema": True}, "w")
+    with pytest.raises(ConfigError, match=r"^--resume: the run in w was trained with --model-ema: resume with "
+                                          r"--model-ema \(its EMA continues\), or start a new --workdir without it"):
+        _loop._check_optimizer_state(now | {"model_ema": True}, now, "w")
+    ema = now | {"model_ema": True}
+    assert _loop._changes(ema, ema | {"model_ema_steps": 4, "model_ema_decay": 0.999}) == (
+        " with changed settings: --model-ema-steps 4 (was 32), --model-ema-decay 0.999 (was 0.99998)")
+
+
+def test_export_ema_of_a_workdir_without_one_is_refused(tmp_path, capsys):
+    from jaxport._cli import main
+    from jaxport.train import _checkpoint
+
+    mngr = _checkpoint.manager(str(tmp_path / "w"))
+    try:
+        _checkpoint.save(mngr, 3, {"step": np.int32(3), "params": {"w": np.ones(2, np.float32)}, "batch_stats": {}},
+                         {"arch": "resnet18"})
+    finally:
+        mngr.close()
+    assert main(["export", str(tmp_path / "w"), "--ema", "--out", str(tmp_path / "m.pt")]) == 2
+    assert capsys.readouterr().err == (f"jaxport: error: checkpoint step 3 in {tmp_path / 'w' / 'checkpoints'} holds "
+                                       "no EMA: its run was trained without --model-ema\n")
+    (tmp_path / "v.safetensors").write_bytes(b"")
+    assert main(["export", str(tmp_path / "v.safetensors"), "--ema", "--out", str(tmp_path / "m.pt")]) == 2
+    assert "`--ema` (the average of a `jaxport train --model-ema` run) takes a workdir" in capsys.readouterr().err
+    assert not (tmp_path / "m.pt").exists()

@@ -3,7 +3,8 @@
 A checkpoint is `WORKDIR/checkpoints/<step>/` with two items: `state` (the whole TrainState:
 step, params, batch_stats, optimizer state) and `meta` (JSON: arch, num_classes, classes, seed,
 batch size, image size, epoch accumulators; `unevaluated`: the training half of the metrics row
-of an epoch whose evaluation failed, which --resume evaluates first). Orbax writes into a
+of an epoch whose evaluation failed, which --resume evaluates first), and with --model-ema a
+third, `ema` (the average, `_ema.EMA`). Orbax writes into a
 temporary directory and renames it when complete, so a run killed mid-save leaves no
 half-written step; the next run removes its temporary. A run killed
 while the rotation deletes the oldest step may leave it half-deleted: resuming reads the newest
@@ -44,6 +45,7 @@ _TYPES = ocp.type_handlers.create_type_handler_registry(
 
 TMP_DIR_SUFFIX = ocp.utils.TMP_DIR_SUFFIX  # of a step orbax is writing: `<step>.orbax-checkpoint-tmp`
 FINAL_VARIABLES = "variables.safetensors"  # written at the end of a run, beside checkpoints/
+FINAL_EMA = "variables_ema.safetensors"  # the --model-ema average, written beside it
 _T = TypeVar("_T")
 _READ_TRIES = 5  # listings, and reads of the newest step, by `load_workdir` while a run may rotate them
 _ROTATION_WAIT_S = 2.0  # how long `load_workdir` watches for a rotation after a failed read
@@ -70,7 +72,8 @@ def manager(workdir: str, max_to_keep: int | None = 3, reader: bool = False) -> 
                                            enable_async_checkpointing=False, cleanup_tmp_directories=not reader)
     # Handlers named up front: `item_metadata` (used by `load_workdir`) then knows how to read
     # each item instead of warning that it "could not be restored".
-    handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_TYPES), "meta": ocp.JsonCheckpointHandler()}
+    handlers = {"state": ocp.PyTreeCheckpointHandler(type_handler_registry=_TYPES), "meta": ocp.JsonCheckpointHandler(),
+                "ema": ocp.PyTreeCheckpointHandler(type_handler_registry=_TYPES)}
     path = checkpoint_dir(workdir)
     if reader:
         return _listing(path, lambda: ocp.CheckpointManager(path, options=options, item_handlers=handlers))
@@ -119,8 +122,9 @@ def _quiet() -> Iterator[None]:
             q.setLevel(level)
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None:
-    """Save `state` and `meta` at `step` (all processes call it; returns when written).
+def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict, ema: Any = None) -> None:
+    """Save `state` and `meta` at `step` (all processes call it; returns when written), and the
+    run's `--model-ema` average (`_ema.EMA`), if any, as a third item, `ema`.
 
     Raises:
       CheckpointError: the file system has no room for it, in bytes or in inodes (checked first,
@@ -130,7 +134,7 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
     """
     where = str(mngr.directory)
     try:
-        require_space(where, sum(int(x.nbytes) for x in jax.tree.leaves(state)) + (1 << 20), "save it",
+        require_space(where, sum(int(x.nbytes) for x in jax.tree.leaves((state, ema))) + (1 << 20), "save it",
                       files=_SAVE_FILES_PER_PROCESS * jax.process_count())
     except OSError as e:  # orbax writes a little less than the arrays' bytes: the bound is safe
         raise _not_written(mngr, step, e.strerror) from None
@@ -150,8 +154,10 @@ def save(mngr: ocp.CheckpointManager, step: int, state: Any, meta: dict) -> None
     for logger in loggers:
         logger.addFilter(hold)
     try:
-        mngr.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)),
-                  force=True)
+        items = {"state": ocp.args.PyTreeSave(state), "meta": ocp.args.JsonSave(meta)}
+        if ema is not None:
+            items["ema"] = ocp.args.PyTreeSave(ema)
+        mngr.save(step, args=ocp.args.Composite(**items), force=True)
         mngr.wait_until_finished()
     except Exception as e:  # noqa: BLE001 - any failed write: the run cannot go on without checkpoints
         why = _why_not_written(where, e)  # before the removal below frees the inodes it took
@@ -252,16 +258,19 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
-def _read_as_saved(mngr: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
-    """`(state, meta)` of checkpoint `step`, laid out as saved (its own shapes, on the CPU)."""
-    meta_tree = mngr.item_metadata(step)["state"]
+def _read_as_saved(mngr: ocp.CheckpointManager, step: int, item: str = "state") -> tuple[Any, dict]:
+    """`(state, meta)` of checkpoint `step`, laid out as saved (its own shapes, on the CPU);
+    `item="ema"`: its `--model-ema` average instead of the state (a CheckpointError if it has none)."""
+    meta_tree = mngr.item_metadata(step).get(item)
+    if meta_tree is None and item == "ema":
+        raise _no_ema(mngr, step)
     shapes = meta_tree.tree if hasattr(meta_tree, "tree") else meta_tree
     cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=cpu), shapes,
                             is_leaf=lambda m: hasattr(m, "shape") and hasattr(m, "dtype"))
-    out = mngr.restore(step, args=ocp.args.Composite(state=_restore_args(abstract),
+    out = mngr.restore(step, args=ocp.args.Composite(**{item: _restore_args(abstract)},
                                                      meta=ocp.args.JsonRestore()))
-    return out["state"], dict(out["meta"] or {})
+    return out[item], dict(out["meta"] or {})
 
 
 def _rotated(path: str, listed: list[int]) -> bool:
@@ -355,6 +364,26 @@ def restore(mngr: ocp.CheckpointManager, target: Any) -> tuple[Any, dict] | None
         raise _unreadable(mngr, step, e) from None
 
 
+def restore_ema(mngr: ocp.CheckpointManager, step: int, target: Any) -> Any:
+    """The `--model-ema` average (`_ema.EMA`) of checkpoint `step`, laid out like `target`.
+
+    Raises:
+      CheckpointError: the checkpoint holds no EMA, or it cannot be read.
+    """
+    if mngr.item_metadata(step).get("ema") is None:
+        raise _no_ema(mngr, step)
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    try:
+        return mngr.restore(step, args=ocp.args.Composite(ema=_restore_args(abstract)))["ema"]
+    except Exception as e:  # noqa: BLE001 - any failure to read is reported the same way
+        raise _unreadable(mngr, step, e) from None
+
+
+def _no_ema(mngr: ocp.CheckpointManager, step: int) -> CheckpointError:
+    return CheckpointError(f"checkpoint step {step} in {_where(mngr)} holds no EMA: its run was trained without "
+                           "--model-ema")
+
+
 def load_workdir(workdir: str) -> tuple[dict, str | None]:
     """`(variables, arch)` of the latest checkpoint in a `jaxport train` workdir, as numpy.
 
@@ -375,9 +404,11 @@ def load_workdir(workdir: str) -> tuple[dict, str | None]:
     return variables, arch
 
 
-def read_latest(workdir: str) -> tuple[dict, str | None, int]:
+def read_latest(workdir: str, ema: bool = False) -> tuple[dict, str | None, int]:
     """`load_workdir`'s `(variables, arch)` and the step they were read from (a run still
-    training into `workdir` may have moved on from the step that was newest when it was listed)."""
+    training into `workdir` may have moved on from the step that was newest when it was listed).
+    `ema`: the variables of the checkpoint's `--model-ema` average instead (a CheckpointError
+    where its run had none)."""
     # A read that fails (damage, or a run rotating the step away) leaves orbax's other reads
     # pending: thousands of lines on stderr as they end, after the error that says it all.
     quiet_abandoned_reads()
@@ -396,7 +427,7 @@ def read_latest(workdir: str) -> tuple[dict, str | None, int]:
                                   + (instead or "; train into it with `jaxport train --workdir` first"))
         for attempt in range(_READ_TRIES):
             try:
-                state, meta = _read_as_saved(mngr, steps[-1])
+                state, meta = _read_as_saved(mngr, steps[-1], "ema") if ema else _read_as_saved(mngr, steps[-1])
                 break
             except CheckpointError:
                 raise
@@ -413,6 +444,8 @@ def read_latest(workdir: str) -> tuple[dict, str | None, int]:
                 if not steps:
                     raise CheckpointError(f"checkpoint step {failed} in {path} was deleted while it was read, and no "
                                           "other is there: try again once a checkpoint is saved" + instead) from None
+        if ema:
+            state = state["variables"]
         variables = {"params": state["params"], "batch_stats": state["batch_stats"]}
     finally:
         mngr.close()  # its threads would outlive an error (`quiet_abandoned_reads` drops their leftovers)

@@ -21,7 +21,7 @@ _NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the o
 # The smallest value each integer flag takes, said in its type error (TrainConfig checks ranges).
 _MINIMUM = {"--epochs": 1, "--image-size": 1, "--seed": 0, "--checkpoint-every": 1, "--keep-checkpoints": 1,
             "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0, "--lr-step-size": 1,
-            "--lr-warmup-epochs": 0}
+            "--lr-warmup-epochs": 0, "--model-ema-steps": 1}
 
 
 def _integer(flag: str, expected: str = ""):
@@ -138,6 +138,16 @@ def add_parser(subparsers) -> None:
     p.add_argument("--clip-grad-norm", type=_real("--clip-grad-norm", 1.0), default=d.clip_grad_norm,
                    metavar="MAX_NORM", help="clip the norm of all gradients together before each step, as torch's "
                                             "clip_grad_norm_ (default: no clipping)")
+    p.add_argument("--model-ema", action="store_true",
+                   help="keep an exponential moving average of the weights and BatchNorm statistics, as torchvision's "
+                        "ExponentialMovingAverage: evaluated after each epoch (val_acc_ema in metrics.jsonl), written "
+                        "to variables_ema.safetensors (jaxport export WORKDIR --ema)")
+    p.add_argument("--model-ema-steps", type=_integer("--model-ema-steps"), default=d.model_ema_steps, metavar="STEPS",
+                   help="update the EMA after every STEPS-th step of an epoch (its first included) (default: "
+                        "%(default)s)")
+    p.add_argument("--model-ema-decay", type=_real("--model-ema-decay", d.model_ema_decay), default=d.model_ema_decay,
+                   metavar="DECAY", help="the EMA's decay, in [0, 1], scaled as torchvision's: 1 - min(1, (1 - DECAY) * "
+                                         "global batch * --model-ema-steps / --epochs) (default: %(default)s)")
     p.add_argument("--seed", type=_integer("--seed"), default=d.seed,
                    help="initialisation, data order and augmentation (default: %(default)s)")
     p.add_argument("--workdir", required=True, metavar="DIR",

@@ -23,13 +23,14 @@ from .._args import finite, is_int, is_real, one_of, shell_word
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
-from . import _checkpoint, _data, _distributed, _memory, _recipe
+from . import _checkpoint, _data, _distributed, _ema, _memory, _recipe
 from ._init import fit_head, load_init
 from ._step import (RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
-                    make_train_step, shard_batch)
+                    make_train_step, replicate, shard_batch)
 
 FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
-OUTPUTS = (FINAL_VARIABLES, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
+FINAL_EMA = _checkpoint.FINAL_EMA
+OUTPUTS = (FINAL_VARIABLES, FINAL_EMA, "metrics.jsonl", "training_curves.png")  # a run's files, with checkpoints/
 METRIC_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc")  # what resuming and the plot read
 
 
@@ -78,6 +79,11 @@ class TrainConfig:
     lr_warmup_method: str = "constant"  # "linear" (torch's LinearLR) or "constant" (ConstantLR)
     lr_warmup_decay: float = 0.01  # the warm-up's start factor
     clip_grad_norm: float | None = None  # torch's clip_grad_norm_ of all gradients, before each step
+    # torchvision's --model-ema: an EMA of the weights and buffers (`_ema`), updated after every
+    # `model_ema_steps`-th step of an epoch, its decay `_ema.ema_decay(model_ema_decay, ...)`.
+    model_ema: bool = False
+    model_ema_steps: int = 32
+    model_ema_decay: float = 0.99998
     seed: int = 0
     sync_bn: bool = False
     # Per-device BatchNorm's running statistics after each step: "mean" over the devices, or
@@ -150,13 +156,14 @@ def _validate(cfg: TrainConfig) -> None:
     for name in ("momentum", "weight_decay"):
         finite("--" + name.replace("_", "-"), getattr(cfg, name), minimum=0)
     _recipe.check(cfg)
+    _ema.ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, 1, cfg.epochs)  # checks the two (the batch: below)
     if cfg.batch_size != "auto" and (not is_int(cfg.batch_size) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
     # Was a bare TypeError ("'>' not supported") after a compile, or "more than the -0 MiB available".
     if cfg.memory_limit_bytes is not None and not (is_int(cfg.memory_limit_bytes) and cfg.memory_limit_bytes >= 1):
         raise ConfigError(f"`memory_limit_bytes` (={cfg.memory_limit_bytes!r}) must be a number of bytes >= 1 "
                           "(e.g. 8 << 30 for 8 GiB), or None for the device's memory")
-    for name in ("sync_bn", "trusted", "resume"):
+    for name in ("sync_bn", "trusted", "resume", "model_ema"):
         if not isinstance(getattr(cfg, name), (bool, np.bool_)):
             raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)!r}) must be True or False")
     if cfg.data is not None and not os.path.isdir(cfg.data):
@@ -344,6 +351,7 @@ def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
+              "model_ema", "model_ema_steps", "model_ema_decay",
               "seed", "sync_bn", "bn_stats", "label_smoothing", "resume", "dtype", "checkpoint_every",
               "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
@@ -491,10 +499,11 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 # checkpoint so the change is said, never silent. Those that fix the optimizer state's structure
 # change only where it stays the same (`_check_optimizer_state`).
 _RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "label_smoothing",
-              "dtype")
+              "dtype", "model_ema", "model_ema_steps", "model_ema_decay")
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too (and one with the same values, silently).
-_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, **_recipe.DEFAULTS}
+_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, **_recipe.DEFAULTS,
+                    **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")}}
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -506,10 +515,22 @@ def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
     """Refuse to resume into an optimizer state of another structure than the checkpoint's, which
     it cannot be restored into (`_recipe.state_structure`): another optimizer, weight decay
     groups, or (SGD) a momentum or weight decay changed to or from 0, as torch keeps no momentum
-    buffer or decay step for 0."""
+    buffer or decay step for 0. And a `--model-ema` added or dropped (the checkpoint's EMA)."""
     if saved is None:  # written before settings were recorded: the restore says what differs
         return
     saved = _BEFORE_RECORDED | saved
+    if saved["model_ema"] != now["model_ema"]:
+        # Refused both ways. Added, the EMA of the steps already trained is lost (torchvision's own
+        # resume fails on the checkpoint's missing "model_ema"); dropped, the run would end with
+        # no EMA of its last steps, beside an earlier `variables_ema.safetensors` of older ones.
+        if now["model_ema"]:
+            raise ConfigError(f"--resume: `--model-ema` cannot be added to the run in {workdir}, trained without it: "
+                              "its EMA would start at the resumed step, not be the average of the whole run; resume "
+                              "without --model-ema, or start a new --workdir with --model-ema (--init "
+                              f"{shell_word(workdir)} starts it from these weights)")
+        raise ConfigError(f"--resume: the run in {workdir} was trained with --model-ema: resume with --model-ema (its "
+                          "EMA continues), or start a new --workdir without it (--init "
+                          f"{shell_word(workdir)} starts it from these weights)")
     for (key, was), (_, is_) in zip(_recipe.state_structure(saved), _recipe.state_structure(now)):
         if was == is_:
             continue
@@ -669,7 +690,8 @@ def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict
 
 
 def plot_metrics(metrics_path: str, out_path: str) -> None:
-    """A PNG of train/val loss and accuracy per epoch from `metrics.jsonl`."""
+    """A PNG of train/val loss and accuracy per epoch from `metrics.jsonl` (and the EMA's val
+    loss and accuracy, where rows hold them: `--model-ema`)."""
     # A Figure of its own, not pyplot's: `matplotlib.use("Agg")` switched the caller's backend
     # (a notebook's inline plots stopped), and pyplot kept the figure when the write failed.
     from matplotlib.figure import Figure
@@ -680,10 +702,15 @@ def plot_metrics(metrics_path: str, out_path: str) -> None:
     a, b = fig.subplots(1, 2)
     a.plot(ep, [r["train_loss"] for r in rows], "o-", label="train")
     a.plot(ep, [r["val_loss"] for r in rows], "o-", label="val")
+    ema = [r for r in rows if "val_loss_ema" in r]  # --model-ema
+    if ema:
+        a.plot([r["epoch"] + 1 for r in ema], [r["val_loss_ema"] for r in ema], "o--", label="val (EMA)")
     a.set_yscale("log")  # the first epoch's val loss (BatchNorm statistics still settling) can be 100x the rest
     a.set_xlabel("epoch"), a.set_ylabel("cross-entropy"), a.legend(), a.grid(alpha=0.3)
     b.plot(ep, [r["train_acc"] for r in rows], "o-", label="train")
     b.plot(ep, [r["val_acc"] for r in rows], "o-", label="val")
+    if ema:
+        b.plot([r["epoch"] + 1 for r in ema], [r["val_acc_ema"] for r in ema], "o--", label="val (EMA)")
     b.set_xlabel("epoch"), b.set_ylabel("accuracy"), b.legend(), b.grid(alpha=0.3)
     fig.tight_layout()
     with atomic_path(out_path) as tmp:
@@ -699,11 +726,14 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
     last epoch, trained before).
 
     Writes `WORKDIR/checkpoints/<step>` (orbax), `WORKDIR/metrics.jsonl` (one JSON object per
-    epoch) and `WORKDIR/training_curves.png`. With `resume`, continues from the latest
-    checkpoint exactly: same step, optimizer state and data order; `init` is then not read (it
-    applies when there is no checkpoint yet). An epoch's row is written before its checkpoint,
-    and a resumed run drops rows past its checkpoint and writes them again: however a run was
-    killed and resumed, metrics.jsonl holds one row per finished epoch, as an uninterrupted run's.
+    epoch), `WORKDIR/training_curves.png` and the final `WORKDIR/variables.safetensors`; with
+    `model_ema`, torchvision's EMA too: in each checkpoint, evaluated each epoch (`val_loss_ema`,
+    `val_acc_ema`), and at the end in `WORKDIR/variables_ema.safetensors`. With `resume`,
+    continues from the latest checkpoint exactly: same step, optimizer state (and EMA) and data
+    order; `init` is then not read (it applies when there is no checkpoint yet). An epoch's row
+    is written before its checkpoint, and a resumed run drops rows past its checkpoint and writes
+    them again: however a run was killed and resumed, metrics.jsonl holds one row per finished
+    epoch, as an uninterrupted run's.
     An epoch whose evaluation failed (an image, or a stop request) is checkpointed without its
     row; `resume` evaluates it and writes its row before training on.
 
@@ -886,6 +916,13 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     state = create_state(variables, tx, mesh)
     step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats, label_smoothing=cfg.label_smoothing)
     evaluate = make_eval_step(model, mesh)
+    ema = None  # torchvision's --model-ema: the average (`_ema.EMA`), replicated like the state
+    if cfg.model_ema:
+        ema_decay = _ema.ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, batch, cfg.epochs)
+        # From the host's starting variables: buffers of its own (the step donates the state's), on
+        # every device of the mesh, in every process (the first update copies the weights anyway).
+        ema = replicate(_ema.init_ema(variables), mesh)
+        ema_step = jax.jit(_ema_step, static_argnames=("decay", "restart"), donate_argnums=0)
 
     os.makedirs(cfg.workdir, exist_ok=True)
     if lead:  # process 0 writes for the whole run; the others share its lock
@@ -922,6 +959,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         """
         try:
             row = row | _evaluate(evaluate, state.variables, data.val, batch, mesh)
+            if ema is not None:  # torchvision: evaluate(model_ema, ..., log_suffix="EMA")
+                row |= {f"{k}_ema": v for k, v in _evaluate(evaluate, ema.variables, data.val, batch, mesh).items()}
         except Exception as e:  # noqa: BLE001 - only an image error, or a failure after a stop request, is handled
             image = isinstance(e, _data.ImageError)
             if image and n_proc > 1:  # the others wait in the evaluation's collectives: a checkpoint needs them all
@@ -929,7 +968,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             if n_proc > 1 or not (image or (stops.signum is not None and not isinstance(e, JaxportError))):
                 raise
             if mngr.latest_step() != gstep:  # (a resumed evaluation's checkpoint is this one already)
-                _save_finite(mngr, gstep, state, meta | {"epoch_sums": [0.0, 0.0, 0.0], "unevaluated": row}, cfg)
+                _save_finite(mngr, gstep, state, meta | {"epoch_sums": [0.0, 0.0, 0.0], "unevaluated": row}, cfg, ema)
             if image:
                 raise e.after(gstep, cfg.workdir, evaluating=row["epoch"]) from None
             # The same signal reached the DataLoader's workers, which then failed a fetch.
@@ -943,10 +982,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         if lead:
             _append_metrics(metrics_path, row, mngr)
         if mngr.latest_step() != gstep:  # (see above: a resumed evaluation's checkpoint stays)
-            _checkpoint.save(mngr, gstep, state, meta)
+            _checkpoint.save(mngr, gstep, state, meta, ema)
         if lead:
             say(f"epoch {row['epoch'] + 1}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-                f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+                f"val loss {row['val_loss']:.4f} acc {row['val_acc']:.4f}"
+                + (f" | EMA val loss {row['val_loss_ema']:.4f} acc {row['val_acc_ema']:.4f}" if ema is not None else ""))
         if stops.signum is not None and gstep < last_step:  # requested during the epoch's last step or evaluation
             raise Interrupted(stops.signum, gstep, cfg.workdir)
         return row
@@ -957,6 +997,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             _check_resumable(saved, meta, cfg.workdir)
             _check_optimizer_state(saved.get("settings"), meta["settings"], cfg.workdir)
             state, saved = _checkpoint.restore(mngr, state)
+            if ema is not None:  # (`_check_optimizer_state` refused a checkpoint trained without --model-ema)
+                ema = _checkpoint.restore_ema(mngr, int(state.step), ema)
             meta["epoch_sums"] = saved["epoch_sums"]
             unevaluated = saved.get("unevaluated")
             unused = (f"; --init {cfg.init} is not used (the checkpoint in {_checkpoint.checkpoint_dir(cfg.workdir)} "
@@ -1043,6 +1085,10 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                 try:
                     for s, (x, y) in enumerate(loader, start=offset):
                         state, m = step_fn(state, *shard_batch(mesh, x, y))
+                        if ema is not None and s % cfg.model_ema_steps == 0:  # torchvision's i: s, within the epoch
+                            # (torchvision: n_averaged.fill_(0) in warm-up epochs: each update there copies)
+                            ema = ema_step(ema, state.variables, decay=ema_decay,
+                                           restart=epoch < cfg.lr_warmup_epochs)
                         pending.append(m)
                         gstep, seen = epoch * steps_per_epoch + s + 1, seen + batch
                         if not compiled:
@@ -1056,7 +1102,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                             bar.update(1)
                         if (gstep % cfg.checkpoint_every == 0 or stopping) and s + 1 != steps_per_epoch:
                             meta["epoch_sums"] = sums.tolist()
-                            _save_finite(mngr, gstep, state, meta, cfg)
+                            _save_finite(mngr, gstep, state, meta, cfg, ema)
                         if stopping:
                             break
                 except Exception as e:  # noqa: BLE001 - only a loader failing after a stop request is absorbed
@@ -1071,7 +1117,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                             flush()
                         if gstep and mngr.latest_step() != gstep:
                             meta["epoch_sums"] = sums.tolist()
-                            _save_finite(mngr, gstep, state, meta, cfg)
+                            _save_finite(mngr, gstep, state, meta, cfg, ema)
                         if mngr.latest_step() is not None:
                             raise e.after(mngr.latest_step(), cfg.workdir) from None
                     if isinstance(e, _data.ImageError) and n_proc > 1:
@@ -1091,7 +1137,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                     # max_steps reached, or a stop requested, mid-epoch (or before this epoch's first step)
                     meta["epoch_sums"] = sums.tolist()
                     if mngr.latest_step() != gstep:
-                        _save_finite(mngr, gstep, state, meta, cfg)
+                        _save_finite(mngr, gstep, state, meta, cfg, ema)
                     if stops.signum is not None:
                         raise Interrupted(stops.signum, gstep, cfg.workdir)
                     break
@@ -1108,7 +1154,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             # The step just checkpointed: an earlier run's final file (a resumed run's) was left
             # as if it were this run's, steps behind the checkpoints, read silently by --init.
             try:
-                _save_final(state, cfg, gstep)
+                _save_final(state, cfg, gstep, ema)
             except OSError as err:  # a full disk: the error replaced the interruption (status 2,
                 # not 130/143) and hid that the step was checkpointed
                 raise Interrupted(e.signum, e.step, e.workdir,
@@ -1131,7 +1177,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             data.close()
     try:
         if lead:  # before the plot: the weights matter more
-            _save_final(state, cfg, gstep)
+            _save_final(state, cfg, gstep, ema)
         if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
             plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     except OSError as e:  # "free some space or write elsewhere" read as if the training were lost
@@ -1144,12 +1190,22 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     return result
 
 
-def _save_final(state, cfg: TrainConfig, step: int) -> None:
+def _save_final(state, cfg: TrainConfig, step: int, ema=None) -> None:
     """The weights in jaxport's variables format, readable whatever the topology (replicated, so
     this process's first shard is the value); `jaxport export`, `verify` and `--init` read it
-    like any ported file. Its header records the step."""
-    final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), state.variables)
-    save_variables(os.path.join(cfg.workdir, FINAL_VARIABLES), final, arch=cfg.arch, metadata={"step": str(step)})
+    like any ported file. Its header records the step. With `ema` (--model-ema), its variables
+    beside them, in `FINAL_EMA`, alike."""
+    for name, variables in ((FINAL_VARIABLES, state.variables), (FINAL_EMA, None if ema is None else ema.variables)):
+        if variables is not None:
+            final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), variables)
+            save_variables(os.path.join(cfg.workdir, name), final, arch=cfg.arch, metadata={"step": str(step)})
+
+
+def _ema_step(ema: _ema.EMA, variables, decay: float, restart: bool) -> _ema.EMA:
+    """torchvision's `model_ema.update_parameters(model)`, then, with `restart` (a warm-up
+    epoch), `model_ema.n_averaged.fill_(0)`."""
+    ema = _ema.update_ema(ema, variables, decay)
+    return _ema.restart_ema(ema) if restart else ema
 
 
 def _diverged(what: str, step: int, mngr, cfg: TrainConfig) -> DivergedError:
@@ -1190,11 +1246,11 @@ def _check_weights_finite(state, gstep: int, mngr, cfg: TrainConfig) -> None:
         raise _diverged("the weights became non-finite", gstep, mngr, cfg)
 
 
-def _save_finite(mngr, gstep: int, state, meta: dict, cfg: TrainConfig) -> None:
-    """Save a checkpoint, unless the weights are no longer finite: never rotate good
-    checkpoints out for broken ones."""
+def _save_finite(mngr, gstep: int, state, meta: dict, cfg: TrainConfig, ema=None) -> None:
+    """Save a checkpoint (with the --model-ema average `ema`, if any), unless the weights are no
+    longer finite: never rotate good checkpoints out for broken ones."""
     _check_weights_finite(state, gstep, mngr, cfg)
-    _checkpoint.save(mngr, gstep, state, meta)
+    _checkpoint.save(mngr, gstep, state, meta, ema)
 
 
 def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMemoryError:
