@@ -27,6 +27,16 @@ def is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
+def is_finite(value) -> bool:
+    """`is_real` and neither NaN nor inf."""
+    return is_real(value) and math.isfinite(value)
+
+
+def shown(value) -> str:
+    """A number as its flag would be written (0.1, nan), anything else as Python writes it ('0.1')."""
+    return str(value) if is_real(value) else repr(value)
+
+
 def finite(name: str, value, *, minimum: float | None = None, hint: str = "") -> float:
     """`value` as a float if it is a finite real number (>= `minimum` if given).
 

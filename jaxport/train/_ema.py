@@ -28,9 +28,8 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._args import is_int, is_real
+from .._args import is_finite, is_int, shown
 from .._errors import ConfigError
 
 
@@ -69,8 +68,8 @@ def ema_decay(decay: float, steps: int, global_batch: int, epochs: int) -> float
     >>> ema_decay(0.9, steps=32, global_batch=64, epochs=8)  # alpha clamped at 1
     0.0
     """
-    if not (is_real(decay) and bool(np.isfinite(decay)) and 0 <= decay <= 1):
-        raise ConfigError(f"`--model-ema-decay` (={decay if is_real(decay) else repr(decay)}) must be a number in "
+    if not (is_finite(decay) and 0 <= decay <= 1):
+        raise ConfigError(f"`--model-ema-decay` (={shown(decay)}) must be a number in "
                           "[0, 1]: the EMA's decay per image of a one-epoch run (scaled by the global batch, "
                           "--model-ema-steps and --epochs), e.g. 0.99998")
     for flag, value in (("--model-ema-steps", steps), ("--batch-size", global_batch), ("--epochs", epochs)):
@@ -129,7 +128,7 @@ def update_ema(ema: EMA, variables: Any, decay: float) -> EMA:
     >>> ema.variables["w"].tolist(), int(ema.n_averaged)
     ([4.0, 4.0], 2)
     """
-    if not (is_real(decay) and bool(np.isfinite(decay)) and 0 <= decay <= 1):
+    if not (is_finite(decay) and 0 <= decay <= 1):
         raise ConfigError(f"`decay` (={decay!r}) must be a Python number in [0, 1] (static under jax.jit: "
                           "jax.jit(update_ema, static_argnames='decay')), e.g. ema_decay(...)'s")
     decay = float(decay)  # a numpy float64 scalar would promote float32 leaves

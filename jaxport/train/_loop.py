@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._args import finite, is_int, is_real, one_of, shell_word
+from .._args import finite, is_int, is_real, one_of, shell_word, shown
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
@@ -152,7 +152,7 @@ def _validate(cfg: TrainConfig) -> None:
     check_label_smoothing(cfg.label_smoothing, "--label-smoothing")
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
-        raise ConfigError(f"`--lr` (={_shown(cfg.lr)}) must be a finite number > 0")
+        raise ConfigError(f"`--lr` (={shown(cfg.lr)}) must be a finite number > 0")
     for name in ("momentum", "weight_decay"):
         finite("--" + name.replace("_", "-"), getattr(cfg, name), minimum=0)
     _recipe.check(cfg)
@@ -194,11 +194,6 @@ def _plain(cfg: TrainConfig) -> TrainConfig:
     values["dtype"] = next(name for name in DTYPES if cfg.dtype == name)
     values |= _recipe.names(cfg)  # torchvision's names in any case: SGD_Nesterov is sgd-nesterov
     return dataclasses.replace(cfg, **values)
-
-
-def _shown(value) -> str:
-    """A number as the flag would be written (0.1, nan), anything else as Python writes it ('0.1')."""
-    return str(value) if is_real(value) else repr(value)
 
 
 def _check_workdir(cfg: TrainConfig) -> None:

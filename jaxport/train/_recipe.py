@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from .._args import is_int, is_real, one_of
+from .._args import is_finite, is_int, one_of, shown
 from .._errors import ConfigError
 from ._optim import (Schedule, _cosine, adamw, clip_grad_norm, constant_lr, exponential_lr, linear_warmup, per_epoch,
                      sgd, step_lr)
@@ -103,22 +103,22 @@ def check(r: Recipe) -> None:
         raise ConfigError(f"`--lr-warmup-epochs` (={r.lr_warmup_epochs!r}) must be an integer >= 0: the epochs of "
                           "warm-up before the --lr-scheduler, 0 for none")
     # `not 0 < x` rather than `x <= 0`: NaN fails every comparison and must be refused too.
-    if not (_finite(r.lr_gamma) and r.lr_gamma > 0):
-        raise ConfigError(f"`--lr-gamma` (={_shown(r.lr_gamma)}) must be a finite number > 0: the factor "
+    if not (is_finite(r.lr_gamma) and r.lr_gamma > 0):
+        raise ConfigError(f"`--lr-gamma` (={shown(r.lr_gamma)}) must be a finite number > 0: the factor "
                           "--lr-scheduler steplr or exponentiallr multiplies the lr by at each decay, e.g. 0.1")
-    if not (_finite(r.lr_min) and r.lr_min >= 0):
-        raise ConfigError(f"`--lr-min` (={_shown(r.lr_min)}) must be a finite number >= 0: the lr that --lr-scheduler "
+    if not (is_finite(r.lr_min) and r.lr_min >= 0):
+        raise ConfigError(f"`--lr-min` (={shown(r.lr_min)}) must be a finite number >= 0: the lr that --lr-scheduler "
                           "cosineannealinglr ends at (torch's eta_min), e.g. 0")
-    if not (_finite(r.lr_warmup_decay) and 0 < r.lr_warmup_decay <= 1):
-        raise ConfigError(f"`--lr-warmup-decay` (={_shown(r.lr_warmup_decay)}) must be a number in (0, 1]: the "
+    if not (is_finite(r.lr_warmup_decay) and 0 < r.lr_warmup_decay <= 1):
+        raise ConfigError(f"`--lr-warmup-decay` (={shown(r.lr_warmup_decay)}) must be a number in (0, 1]: the "
                           "warm-up starts at --lr times it (torch's LinearLR start_factor, ConstantLR factor), e.g. "
                           "0.01")
-    if r.norm_weight_decay is not None and not (_finite(r.norm_weight_decay) and r.norm_weight_decay >= 0):
-        raise ConfigError(f"`--norm-weight-decay` (={_shown(r.norm_weight_decay)}) must be a finite number >= 0 (the "
+    if r.norm_weight_decay is not None and not (is_finite(r.norm_weight_decay) and r.norm_weight_decay >= 0):
+        raise ConfigError(f"`--norm-weight-decay` (={shown(r.norm_weight_decay)}) must be a finite number >= 0 (the "
                           "weight decay of the BatchNorm layers' parameters, e.g. 0), or left out to decay them by "
                           "--weight-decay")
-    if r.clip_grad_norm is not None and not (_finite(r.clip_grad_norm) and r.clip_grad_norm > 0):
-        raise ConfigError(f"`--clip-grad-norm` (={_shown(r.clip_grad_norm)}) must be a finite number > 0 (the "
+    if r.clip_grad_norm is not None and not (is_finite(r.clip_grad_norm) and r.clip_grad_norm > 0):
+        raise ConfigError(f"`--clip-grad-norm` (={shown(r.clip_grad_norm)}) must be a finite number > 0 (the "
                           "largest norm of all gradients together, torch's clip_grad_norm_ max_norm, e.g. 1), or "
                           "left out for no clipping")
     if r.lr_scheduler.lower() == "cosineannealinglr" and r.lr_warmup_epochs >= r.epochs:
@@ -126,14 +126,6 @@ def check(r: Recipe) -> None:
                           "with --lr-scheduler cosineannealinglr, which anneals over the epochs after the warm-up "
                           f"(T_max = epochs - warm-up epochs = {r.epochs - r.lr_warmup_epochs}); use "
                           f"--lr-warmup-epochs {r.epochs - 1} or fewer, or --epochs {r.lr_warmup_epochs + 1} or more")
-
-
-def _finite(value) -> bool:
-    return is_real(value) and bool(np.isfinite(value))
-
-
-def _shown(value) -> str:
-    return str(value) if is_real(value) else repr(value)
 
 
 def epoch_schedule(r: Recipe) -> Schedule:
