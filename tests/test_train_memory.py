@@ -153,3 +153,60 @@ def test_batch_size_auto_compiles_few_sizes_where_memory_is_flat_then_steep(monk
         limit = int(curve[want] + curve[bigger]) // 2
         assert _memory.largest_batch(None, None, None, 16, limit, min_per_device=2, log=lambda m: None) == want
         assert len(set(asked)) <= 7, (want, asked)
+
+
+def test_batch_size_auto_leaves_room_for_the_model_ema(tmp_path, monkeypatch):
+    """--model-ema keeps a copy of the variables on every device beside the step's buffers: the
+    batch was picked as if that memory were free (found once the run was out of memory)."""
+    import torch
+    import torchvision
+
+    from jaxport.models import build
+
+    limits = []
+
+    class Picked(Exception):
+        pass
+
+    def capture(step, state, mesh, image_size, limit_bytes, **kwargs):
+        limits.append(limit_bytes)
+        raise Picked  # the limit is what this test is about: no probe need compile
+
+    monkeypatch.setattr(_memory, "largest_batch", capture)
+    limit, said = 1 << 30, []
+    for ema in (False, True):
+        with pytest.raises(Picked):
+            train(TrainConfig(workdir=str(tmp_path / str(ema)), batch_size="auto", image_size=8, devices=2,
+                              memory_limit_bytes=limit, model_ema=ema, progress=False), log=said.append)
+    # The average's bytes: every tensor of torchvision's resnet18 for 10 classes, 4 bytes an
+    # element (the float32 weights and buffers; num_batches_tracked, int64 there, is int32 here).
+    sd = torchvision.models.resnet18(num_classes=10).state_dict()
+    assert {v.dtype for v in sd.values()} == {torch.float32, torch.int64}
+    want = sum(v.numel() * 4 for v in sd.values())
+    variables = jax.eval_shape(build("resnet18", num_classes=10).init, jax.random.key(0), np.zeros((1, 8, 8, 3)))
+    assert _memory.tree_bytes(variables) == want
+    assert limits == [limit, limit - want], (limits, want)
+    assert f"--batch-size auto: leaving {want / 2**20:.0f} MiB per device for --model-ema's average" in said, said
+    with pytest.raises(_memory.OutOfMemoryError, match=r"--model-ema's average needs 43 MiB per device, and 40 MiB "
+                                                        r"is available: nothing is left for the training step"):
+        train(TrainConfig(workdir=str(tmp_path / "small"), batch_size="auto", image_size=8, devices=2,
+                          memory_limit_bytes=40 << 20, model_ema=True, progress=False))
+
+
+def test_the_out_of_memory_advice_leaves_room_for_the_model_ema(monkeypatch):
+    """The batch named after a RESOURCE_EXHAUSTED counts --model-ema's average as auto does."""
+    from jaxport.models import build
+    from jaxport.train import make_mesh
+    from jaxport.train._optim import sgd
+
+    limits = []
+    monkeypatch.setattr(_memory, "step_bytes", lambda *args: 1 << 40)  # the failed batch: no compile
+    monkeypatch.setattr(_memory, "largest_batch", lambda *args, **kw: limits.append(args[4]) or 2)
+    shapes = jax.eval_shape(build("resnet18", num_classes=10).init, jax.random.key(0), np.zeros((1, 8, 8, 3)))
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    for ema in (False, True):
+        cfg = TrainConfig(workdir="w", image_size=8, memory_limit_bytes=1 << 30, model_ema=ema)
+        err = _loop._oom_error(build("resnet18", num_classes=10), sgd(0.1), variables, make_mesh(jax.devices()[:2]),
+                               cfg, 16, 2)
+        assert "use --batch-size 4 (2 per device)" in str(err), err
+    assert limits == [1 << 30, (1 << 30) - _memory.tree_bytes(variables)], limits

@@ -887,6 +887,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
                                label_smoothing=cfg.label_smoothing)
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
+        if cfg.model_ema:  # its average stays on every device beside the step's buffers: a copy of the variables
+            limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=say)
         cap = data.train.num_examples // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
                                                  max_per_device=min(256, cap), log=say,
@@ -1258,6 +1260,8 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
     where = f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {per_device} per device)"
     try:
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
+        if cfg.model_ema:  # as --batch-size auto counts it
+            limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=lambda m: None)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
                                label_smoothing=cfg.label_smoothing)

@@ -39,6 +39,24 @@ def step_bytes(step: Callable, state, mesh, per_device_batch: int, image_size: i
     return int(ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
 
 
+def tree_bytes(tree) -> int:
+    """Bytes of the arrays of `tree`, as each device holds a replicated copy."""
+    return sum(int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def leave_for(limit_bytes: int, what: str, nbytes: int, log: Callable[[str], None] = print) -> int:
+    """`limit_bytes` less `nbytes` that `what` keeps on each device outside the training step.
+
+    Raises:
+      OutOfMemoryError: `what` alone does not fit.
+    """
+    if nbytes >= limit_bytes:
+        raise OutOfMemoryError(f"{what} needs {nbytes / 2**20:.0f} MiB per device, and {limit_bytes / 2**20:.0f} MiB "
+                               "is available: nothing is left for the training step; use a smaller model")
+    log(f"--batch-size auto: leaving {nbytes / 2**20:.0f} MiB per device for {what}")
+    return limit_bytes - nbytes
+
+
 def _probe_options(mesh) -> dict | None:
     """XLA:CPU's LLVM code generation without optimisation, for compilations that are only
     asked their memory analysis: buffers are assigned on the optimised HLO before code is
