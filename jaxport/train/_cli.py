@@ -11,6 +11,7 @@ import sys
 from .._parser import Parser, shown
 from ..models import ARCHS
 from ._loop import DTYPES, Interrupted, TrainConfig, _latest_step, train
+from ._presets import AUTO_AUGMENTS, INTERPOLATIONS, check_crop
 
 
 # Settings of the library's `TrainConfig` that are no flag, and how to get them from the command line.
@@ -102,8 +103,32 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=_batch_size, default=d.batch_size, metavar="N",
                    help="global batch (divisible by the device count), or 'auto': the largest that fits "
                         "(default: %(default)s)")
+    # given (even at its default), it must agree with --train-crop-size (`config_from_args`)
     p.add_argument("--image-size", type=_integer("--image-size"), default=d.image_size, metavar="PIXELS",
-                   help="side of the square training images (default: %(default)s)")
+                   action=_Given, help="side of the square training images; with --data, the training crop and "
+                                       "the held-out crop, after a resize to PIXELS x 256 / 224 (default: "
+                                       "%(default)s)")
+    # torchvision's presets.py, for --data (checked by TrainConfig, which refuses them for the digits)
+    p.add_argument("--train-crop-size", type=_integer("--train-crop-size", "an integer >= 1"), default=None,
+                   metavar="PIXELS", help="--data: RandomResizedCrop's size, --image-size by train.py's name "
+                                          "(default: --image-size)")
+    p.add_argument("--val-resize-size", type=_integer("--val-resize-size", "an integer >= 1"), default=None,
+                   metavar="PIXELS", help="--data: the held-out images' Resize (default: --image-size x 256 / 224)")
+    p.add_argument("--val-crop-size", type=_integer("--val-crop-size", "an integer >= 1"), default=None,
+                   metavar="PIXELS", help="--data: the held-out images' CenterCrop (default: --image-size)")
+    p.add_argument("--interpolation", default=d.interpolation, metavar="{" + ",".join(INTERPOLATIONS) + "}",
+                   help="--data: RandomResizedCrop's, Resize's and --auto-augment's (default: %(default)s)")
+    p.add_argument("--auto-augment", default=None, metavar="{" + ",".join(AUTO_AUGMENTS) + "}",
+                   help="--data: RandAugment, TrivialAugmentWide, AugMix, or AutoAugment with that policy, after "
+                        "the flip (default: none)")
+    p.add_argument("--ra-magnitude", type=_integer("--ra-magnitude", "an integer from 0 to 30"),
+                   default=d.ra_magnitude, metavar="M", help="--auto-augment ra: RandAugment's magnitude (default: "
+                                                             "%(default)s)")
+    p.add_argument("--augmix-severity", type=_integer("--augmix-severity", "an integer from 1 to 10"),
+                   default=d.augmix_severity, metavar="S", help="--auto-augment augmix: AugMix's severity (default: "
+                                                                "%(default)s)")
+    p.add_argument("--random-erase", type=_real("--random-erase", 0.25), default=d.random_erase, metavar="P",
+                   help="--data: RandomErasing(p=P) after Normalize (default: %(default)s, none)")
     p.add_argument("--lr", type=_real("--lr", d.lr), default=d.lr,
                    help="peak learning rate, after the warm-up, scheduled per epoch by --lr-scheduler "
                         "(default: %(default)s)")
@@ -193,7 +218,18 @@ def add_parser(subparsers) -> None:
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in TrainConfig.__dataclass_fields__.values()}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    values = {k: v for k, v in vars(args).items() if k in names}
+    if getattr(args, "image_size_given", False):  # --image-size 32 --train-crop-size 16, though 32 is the default
+        check_crop(values["image_size"], values.get("train_crop_size"), image_size_given=True)
+    return TrainConfig(**values)
+
+
+class _Given(argparse.Action):
+    """Stores the value, and that it was given (`DEST_given`): the library sees only the value."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest + "_given", True)
 
 
 def run(args: argparse.Namespace) -> int:

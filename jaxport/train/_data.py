@@ -718,12 +718,16 @@ def _subfolders(root: str) -> list[str]:
 
 
 def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: float = 0.1,
-                 workers: int | None = None) -> Data:
+                 workers: int | None = None, transforms: tuple[Callable, Callable] | None = None) -> Data:
     """A torchvision ImageFolder directory with the ImageNet recipe.
 
-    Train: `RandomResizedCrop(image_size)`, `RandomHorizontalFlip()`; eval:
-    `Resize(round(image_size * 256 / 224))`, `CenterCrop(image_size)`; both then `ToTensor()`
-    and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225))`. A `root` with a
+    By default torchvision's `ClassificationPresetTrain(crop_size=image_size)` and
+    `ClassificationPresetEval(crop_size=image_size, resize_size=round(image_size * 256 / 224))`
+    (`_presets`): train `RandomResizedCrop(image_size)`, `RandomHorizontalFlip()`; eval
+    `Resize(round(image_size * 256 / 224))`, `CenterCrop(image_size)`; both then `PILToTensor()`,
+    `ConvertImageDtype(torch.float)` and `Normalize(mean=(0.485, 0.456, 0.406), std=(0.229, 0.224,
+    0.225))`. `transforms`: another (train, eval) pair of PIL image -> CHW tensor callables
+    (`_presets.transforms`), drawing only from torch's global RNG. A `root` with a
     `train/` sub-folder is split torchvision's way: `train/` and the held-out `val/` (or
     `validation/` or `valid/`), each with one sub-folder per class (a `train/` holding images
     and no sub-folders, with no held-out folder beside it, is a class like any other);
@@ -746,11 +750,11 @@ def image_folder(root: str, image_size: int = 224, seed: int = 0, val_fraction: 
     """
     refuse_in_worker_start("jaxport.train.image_folder()")
     _check_split(image_size, seed, val_fraction)
-    from torchvision import transforms as T
+    from ._presets import eval_transform, train_transform
 
-    norm = [T.ToTensor(), T.Normalize(MEAN.tolist(), STD.tolist())]
-    train_tf = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), *norm])
-    val_tf = T.Compose([T.Resize(round(image_size * 256 / 224)), T.CenterCrop(image_size), *norm])
+    train_tf, val_tf = transforms or (train_transform(image_size, mean=MEAN.tolist(), std=STD.tolist()),
+                                      eval_transform(image_size, round(image_size * 256 / 224), mean=MEAN.tolist(),
+                                                     std=STD.tolist()))
     workers = min(4, usable_cpus()) if workers is None else workers
 
     train_dir = os.path.join(root, "train")

@@ -23,7 +23,7 @@ from .._args import finite, is_int, is_real, one_of, shell_word, shown
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
-from . import _checkpoint, _data, _distributed, _ema, _memory, _recipe
+from . import _checkpoint, _data, _distributed, _ema, _memory, _presets, _recipe
 from ._init import fit_head, load_init
 from ._step import (RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
                     make_train_step, replicate, shard_batch)
@@ -95,6 +95,16 @@ class TrainConfig:
     trusted: bool = False  # allow a full unpickle of the `init` checkpoint (runs code from it)
     resume: bool = False
     dtype: str = "float32"
+    # torchvision's data recipe for --data (`_presets`: presets.py's transforms); refused for the
+    # digits. The sizes' None: derived from `image_size`, which `train_crop_size` is another name for.
+    train_crop_size: int | None = None
+    val_resize_size: int | None = None  # None: round(image_size * 256 / 224)
+    val_crop_size: int | None = None  # None: image_size
+    interpolation: str = "bilinear"  # or "nearest", "bicubic"
+    auto_augment: str | None = None  # "ra", "ta_wide", "augmix" or an AutoAugmentPolicy's name
+    ra_magnitude: int = 9
+    augmix_severity: int = 3
+    random_erase: float = 0.0  # RandomErasing's p, after Normalize
     checkpoint_every: int = 500  # steps; also at each epoch end
     keep_checkpoints: int = 3
     # --data's loader processes (None: up to 4). They are spawned and run the calling script again
@@ -156,6 +166,7 @@ def _validate(cfg: TrainConfig) -> None:
     for name in ("momentum", "weight_decay"):
         finite("--" + name.replace("_", "-"), getattr(cfg, name), minimum=0)
     _recipe.check(cfg)
+    _presets.check(cfg)
     _ema.ema_decay(cfg.model_ema_decay, cfg.model_ema_steps, 1, cfg.epochs)  # checks the two (the batch: below)
     if cfg.batch_size != "auto" and (not is_int(cfg.batch_size) or cfg.batch_size < 1):
         raise ConfigError(f"`--batch-size` (={cfg.batch_size!r}) must be a positive integer or 'auto'")
@@ -193,6 +204,7 @@ def _plain(cfg: TrainConfig) -> TrainConfig:
     values = {f.name: plain(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     values["dtype"] = next(name for name in DTYPES if cfg.dtype == name)
     values |= _recipe.names(cfg)  # torchvision's names in any case: SGD_Nesterov is sgd-nesterov
+    values |= _presets.resolve(cfg)  # the sizes --data's images are cropped and resized to
     return dataclasses.replace(cfg, **values)
 
 
@@ -346,7 +358,7 @@ def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
-              "model_ema", "model_ema_steps", "model_ema_decay",
+              "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
               "seed", "sync_bn", "bn_stats", "label_smoothing", "resume", "dtype", "checkpoint_every",
               "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
@@ -493,12 +505,16 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 # Settings a resumed run may change (they act from the resumed step on), recorded in every
 # checkpoint so the change is said, never silent. Those that fix the optimizer state's structure
 # change only where it stays the same (`_check_optimizer_state`).
+# (--train-crop-size is not: it is the run's --image-size, which a resume must keep.)
 _RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "label_smoothing",
-              "dtype", "model_ema", "model_ema_steps", "model_ema_decay")
+              "dtype", "model_ema", "model_ema_steps", "model_ema_decay",
+              *(k for k in _presets.DEFAULTS if k != "train_crop_size"))
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too (and one with the same values, silently).
 _BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, **_recipe.DEFAULTS,
-                    **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")}}
+                    **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")},
+                    # (not the held-out sizes: earlier runs derived them from --image-size, unrecorded)
+                    **{k: v for k, v in _presets.DEFAULTS.items() if k not in _presets.SIZES}}
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -840,7 +856,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         raise ConfigError(f"`devices` (={cfg.devices}) is more than the {jax.device_count()} device(s) jax sees; "
                           f"use at most {jax.device_count()}, or None for all of them")
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
-            else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers))
+            else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers,
+                                    transforms=_presets.transforms(cfg, _data.MEAN.tolist(), _data.STD.tolist())))
     # What --resume and other processes compare.
     files = data.fingerprint() if data.fingerprint else {"files": "digits", "names": "digits"}
     # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
