@@ -63,7 +63,9 @@ def flag(name: str) -> str:
 
 def check_crop(image_size: int, train_crop_size: int | None, image_size_given: bool) -> None:
     """Refuse an `--image-size` given beside a `--train-crop-size` other than it: both are the
-    training crop, the side of every image the model trains on."""
+    training crop, the side of every image the model trains on. A `TrainConfig` cannot tell an
+    `image_size` left at its default (32) from one given so: there `train_crop_size` is taken
+    (`image_size_given` is false); the command line knows, and refuses `--image-size 32` too."""
     if image_size_given and train_crop_size is not None and image_size != train_crop_size:
         raise ConfigError(f"`--train-crop-size` (={train_crop_size}) contradicts `--image-size` (={image_size}): both "
                           "set the training crop (--image-size also derives the held-out --val-crop-size and "
