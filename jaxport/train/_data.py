@@ -174,7 +174,8 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
     A stratified, fixed split (independent of `seed`) holds out `val_fraction`. Training
     images are shifted by up to `image_size // 8` pixels (zero-padded), a function of
     `(seed, epoch, index)`; no flips, which would change a digit. Normalised with ImageNet's
-    mean and std like every other input.
+    mean and std like every other input. torchvision's data flags (`_presets`: `--auto-augment`,
+    the crop sizes, ...) are `--data`'s, and `TrainConfig` refuses them here.
     """
     _check_split(image_size, seed, val_fraction)
     if image_size < 8:
