@@ -178,6 +178,9 @@ def test_a_missing_workdir_is_one_line(capsys):
     (["--norm-weight-decay", "-0.1"], "`--norm-weight-decay` (=-0.1) must be a finite number >= 0 (the weight decay of "
                                       "the BatchNorm layers' parameters, e.g. 0), or left out to decay them by "
                                       "--weight-decay"),
+    *[(["--bias-weight-decay", v], f"`--bias-weight-decay` (={v}) must be a finite number >= 0 (the weight decay of "
+                                   "every bias: the classifier's and the BatchNorm layers', e.g. 0), or left out to "
+                                   "decay them as the others") for v in ("-0.1", "nan")],
     *[(["--clip-grad-norm", v], f"`--clip-grad-norm` (={v}) must be a finite number > 0 (the largest norm of all "
                                 "gradients together, torch's clip_grad_norm_ max_norm, e.g. 1), or left out for no "
                                 "clipping") for v in ("0.0", "inf")],
@@ -232,6 +235,8 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--weight-decay", "1e-4"], "weight_decay", 1e-4),
     ([], "norm_weight_decay", None),
     (["--norm-weight-decay", "0"], "norm_weight_decay", 0.0),
+    ([], "bias_weight_decay", None),
+    (["--bias-weight-decay", "0"], "bias_weight_decay", 0.0),
     ([], "lr_scheduler", "cosineannealinglr"),
     (["--lr-scheduler", "steplr"], "lr_scheduler", "steplr"),
     ([], "lr_step_size", 30),
@@ -292,7 +297,7 @@ def test_settings_that_change_the_training_must_agree_across_processes():
     assert _flags(_parsed())["--label-smoothing"] == 0.0
     assert _flags(_parsed("--label-smoothing", "0.1"))["--label-smoothing"] == 0.1
     # torchvision's recipe: another optimizer or schedule on one process trains other weights
-    recipe = ["--opt", "adamw", "--norm-weight-decay", "0", "--lr-scheduler", "steplr", "--lr-step-size", "2",
+    recipe = ["--opt", "adamw", "--norm-weight-decay", "0", "--bias-weight-decay", "0", "--lr-scheduler", "steplr", "--lr-step-size", "2",
               "--lr-gamma", "0.5", "--lr-min", "1e-5", "--lr-warmup-epochs", "1", "--lr-warmup-method", "linear",
               "--lr-warmup-decay", "0.1", "--clip-grad-norm", "2", "--model-ema-steps", "4", "--model-ema-decay", "0.9"]
     default, given = _flags(_parsed()), _flags(_parsed(*recipe))

@@ -1,5 +1,5 @@
 """torchvision's classification recipe (`--opt`, `--lr-scheduler`, warm-up, `--norm-weight-decay`,
-`--clip-grad-norm`) against torch, built in each test exactly as `references/classification/train.py`
+`--bias-weight-decay`, `--clip-grad-norm`) against torch, built in each test exactly as `references/classification/train.py`
 builds it: the learning rates of a whole run, the weight decay groups of three architectures,
 and optimizer steps in float64. Then one `jaxport train` run with a recipe, and its `--resume`.
 """
@@ -134,6 +134,63 @@ def test_norm_labels_are_torchvisions_split_normalization_params(arch):
     assert got["other"] == want_other
 
 
+def _set_weight_decay(model, weight_decay, norm_weight_decay=None, custom_keys_weight_decay=None):
+    """torchvision's `references/classification/utils.py` `set_weight_decay` (not in the
+    package), as train.py calls it since --bias-weight-decay: the param groups, "other", "norm"
+    and one per custom key, each with its weight decay; a custom key is matched first."""
+    norm_classes = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.LayerNorm, torch.nn.GroupNorm,
+                    torch.nn.modules.instancenorm._InstanceNorm, torch.nn.LocalResponseNorm)
+    params = {"other": [], "norm": []}
+    params_weight_decay = {"other": weight_decay, "norm": norm_weight_decay}
+    custom_keys = []
+    for key, wd in custom_keys_weight_decay or []:
+        params[key] = []
+        params_weight_decay[key] = wd
+        custom_keys.append(key)
+
+    def _add_params(module, prefix=""):
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            is_custom_key = False
+            for key in custom_keys:
+                target_name = f"{prefix}.{name}" if prefix != "" and "." in key else name
+                if key == target_name:
+                    params[key].append(p)
+                    is_custom_key = True
+                    break
+            if not is_custom_key:
+                if norm_weight_decay is not None and isinstance(module, norm_classes):
+                    params["norm"].append(p)
+                else:
+                    params["other"].append(p)
+        for child_name, child_module in module.named_children():
+            _add_params(child_module, prefix=f"{prefix}.{child_name}" if prefix != "" else child_name)
+
+    _add_params(model)
+    return [{"params": params[k], "weight_decay": params_weight_decay[k], "name": k} for k in params if params[k]]
+
+
+@pytest.mark.parametrize("arch", ["resnet18", "resnet50"])
+@pytest.mark.parametrize("norm, bias", [(True, False), (False, True), (True, True)])
+def test_group_labels_are_torchvisions_set_weight_decay(arch, norm, bias):
+    """The groups of `--norm-weight-decay` and `--bias-weight-decay` are the ones torchvision's
+    `set_weight_decay` makes, by torch name; every BatchNorm's bias goes with the biases."""
+    model = getattr(torchvision.models, arch)(num_classes=10)
+    groups = _set_weight_decay(model, 1e-4, 0.0 if norm else None, [("bias", 0.0)] if bias else None)
+    name = {id(p): n for n, p in model.named_parameters()}
+    want = {g["name"]: {name[id(p)] for p in g["params"]} for g in groups}
+    assert set(want) == {"other", *["norm"] * norm, *["bias"] * bias}
+
+    shapes = jax.eval_shape(build(arch, num_classes=10).init, jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    labels = _recipe.group_labels(shapes["params"], norm=norm, bias=bias)
+    torch_key = {e.flax_key: e.torch_key for e in table(arch, 10)}
+    got: dict = {}
+    for path, label in jax.tree_util.tree_leaves_with_path(labels):
+        got.setdefault(label, set()).add(torch_key["/".join(("params", *(p.key for p in path)))])
+    assert got == want
+
+
 class _Tiny(torch.nn.Module):
     """A ResNet's kinds of parameters: a conv, a BatchNorm, a classifier with a bias."""
 
@@ -158,8 +215,11 @@ def _to_flax(tensors: dict) -> dict:
 
 
 def _torch_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """torchvision's train.py."""
-    if cfg.norm_weight_decay is None:
+    """torchvision's train.py: before --bias-weight-decay (`split_normalization_params`), and since."""
+    if cfg.bias_weight_decay is not None:
+        parameters = _set_weight_decay(model, cfg.weight_decay, cfg.norm_weight_decay,
+                                       [("bias", cfg.bias_weight_decay)])
+    elif cfg.norm_weight_decay is None:
         parameters = model.parameters()
     else:
         param_groups = split_normalization_params(model)
@@ -177,6 +237,8 @@ def _torch_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Op
     dict(opt="sgd-nesterov", lr=0.1, weight_decay=1e-2, norm_weight_decay=0.0, clip_grad_norm=0.5),
     dict(opt="adamw", lr=0.01, weight_decay=0.05, norm_weight_decay=0.0, clip_grad_norm=0.5),
     dict(opt="sgd", lr=0.1, weight_decay=1e-2, norm_weight_decay=1e-3),
+    dict(opt="sgd", lr=0.1, weight_decay=1e-2, norm_weight_decay=1e-3, bias_weight_decay=0.0),
+    dict(opt="adamw", lr=0.01, weight_decay=0.05, bias_weight_decay=0.2),
 ])
 def test_optimizer_steps_are_torchs_with_param_groups_and_clipping(x64, recipe):
     """Three steps (one per epoch: a linear warm-up, then a StepLR) in float64: the weights
@@ -211,8 +273,9 @@ def test_optimizer_steps_are_torchs_with_param_groups_and_clipping(x64, recipe):
     assert p["bn1"]["scale"].dtype == jnp.float64
     # float64: the same operations in another order, ~1e-16 per operation
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-10, atol=0), jax.tree.map(np.asarray, p), want)
-    # and each setting matters here: without the norm group (or the clip), the weights differ
-    for changed in (dict(norm_weight_decay=None), dict(clip_grad_norm=None if cfg.clip_grad_norm else 0.5)):
+    # and each setting matters here: without the norm or bias group (or the clip), the weights differ
+    groups = [dict(**{k: None}) for k in ("norm_weight_decay", "bias_weight_decay") if getattr(cfg, k) is not None]
+    for changed in (*groups, dict(clip_grad_norm=None if cfg.clip_grad_norm else 0.5)):
         other = _recipe.optimizer(dataclasses.replace(cfg, **changed), steps_per_epoch=1)
         q, s, step = jax.tree.map(jnp.asarray, params), other.init(p), jax.jit(other.update)
         for g in grads:
@@ -224,7 +287,7 @@ def test_optimizer_steps_are_torchs_with_param_groups_and_clipping(x64, recipe):
 def test_clipping_keeps_the_optimizer_state_as_it_is():
     """Clipping keeps no state, so a resumed run can turn it on or off (after a divergence)."""
     params = {"bn1": {"scale": jnp.ones(3), "bias": jnp.zeros(3)}, "fc": {"kernel": jnp.ones((3, 2))}}
-    for recipe in (dict(), dict(opt="adamw"), dict(norm_weight_decay=0.0)):
+    for recipe in (dict(), dict(opt="adamw"), dict(norm_weight_decay=0.0), dict(bias_weight_decay=0.0)):
         plain = _recipe.optimizer(_cfg(**recipe), 5).init(params)
         clipped = _recipe.optimizer(_cfg(clip_grad_norm=1.0, **recipe), 5).init(params)
         assert jax.tree.structure(plain) == jax.tree.structure(clipped)
@@ -262,6 +325,10 @@ def test_a_checkpoint_from_before_the_recipe_resumes_silently():
     adamw = NOW | {"opt": "adamw"}
     _loop._check_optimizer_state(adamw, adamw | {"weight_decay": 0.0, "momentum": 0.0}, "w")
     _loop._check_optimizer_state(adamw | {"norm_weight_decay": 0.0}, adamw | {"norm_weight_decay": 1e-5}, "w")
+    _loop._check_optimizer_state(adamw | {"bias_weight_decay": 0.0}, adamw | {"bias_weight_decay": 1e-5}, "w")
+    _loop._check_optimizer_state(NOW | {"bias_weight_decay": 1e-5}, NOW | {"bias_weight_decay": 1e-4}, "w")
+    assert _loop._changes(NOW | {"bias_weight_decay": 1e-5}, NOW | {"bias_weight_decay": 1e-4}) == (
+        " with changed settings: --bias-weight-decay 0.0001 (was 1e-05)")
 
 
 @pytest.mark.parametrize("saved, now, message", [
@@ -271,9 +338,16 @@ def test_a_checkpoint_from_before_the_recipe_resumes_silently():
                                   "new --workdir (--init w starts it from these weights)"),
     (SGD, NOW | {"norm_weight_decay": 0.0}, "--resume: `--norm-weight-decay` (=0.0) cannot continue the run in w, "
                                             "trained without it: a --norm-weight-decay keeps the BatchNorm "
-                                            "parameters' optimizer state apart from the others' (torch's two param "
+                                            "parameters' optimizer state apart from the others' (torch's param "
                                             "groups), so the checkpoint cannot be restored; resume without "
                                             "--norm-weight-decay, or start a new --workdir"),
+    (NOW | {"norm_weight_decay": 0.0}, NOW | {"norm_weight_decay": 0.0, "bias_weight_decay": 0.0},
+     "--resume: `--bias-weight-decay` (=0.0) cannot continue the run in w, trained without it: a --bias-weight-decay "
+     "keeps the biases' optimizer state apart from the others' (torch's param groups), so the checkpoint cannot be "
+     "restored; resume without --bias-weight-decay, or start a new --workdir"),
+    (NOW | {"bias_weight_decay": 1e-5}, NOW | {"bias_weight_decay": 0.0},
+     "--resume: `--bias-weight-decay` (=0.0) cannot continue the run in w, trained with --bias-weight-decay 1e-05: "
+     "changing it to or from 0 changes what the optimizer keeps"),
     (NOW | {"norm_weight_decay": 0.0}, NOW, "--resume: `--norm-weight-decay` (=not given) cannot continue the run in "
                                             "w, trained with --norm-weight-decay 0.0: a --norm-weight-decay keeps"),
     (NOW | {"norm_weight_decay": 0.0}, NOW | {"norm_weight_decay": 1e-5},

@@ -142,6 +142,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--norm-weight-decay", type=_real("--norm-weight-decay", 0.0), default=d.norm_weight_decay,
                    metavar="WD", help="weight decay of the BatchNorm layers' parameters, which then form their own "
                                       "param group, as torchvision's (default: --weight-decay's)")
+    p.add_argument("--bias-weight-decay", type=_real("--bias-weight-decay", 0.0), default=d.bias_weight_decay,
+                   metavar="WD", help="weight decay of every bias (the classifier's and the BatchNorm layers'), "
+                                      "which then form their own param group, as torchvision's (default: as the "
+                                      "other parameters')")
     p.add_argument("--lr-scheduler", default=d.lr_scheduler, metavar="{cosineannealinglr,steplr,exponentiallr}",
                    help="torch's CosineAnnealingLR(T_max=epochs - warm-up epochs, eta_min=--lr-min), "
                         "StepLR(--lr-step-size, --lr-gamma) or ExponentialLR(--lr-gamma), stepped after each epoch "

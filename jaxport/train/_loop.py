@@ -71,6 +71,7 @@ class TrainConfig:
     # or "adamw", in any case
     opt: str = "sgd"
     norm_weight_decay: float | None = None  # the BatchNorm parameters' weight decay; None: weight_decay
+    bias_weight_decay: float | None = None  # every bias's (the BatchNorms' too); None: as the others
     lr_scheduler: str = "cosineannealinglr"  # or "steplr", "exponentiallr" (any case)
     lr_step_size: int = 30  # steplr: epochs between decays
     lr_gamma: float = 0.1  # steplr, exponentiallr: the factor of each decay
@@ -551,12 +552,13 @@ def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
                               f"{old}: SGD and AdamW keep different optimizer states (a momentum buffer; two moment "
                               f"estimates), so the checkpoint cannot be restored; resume with --opt {old}, or start a "
                               f"new --workdir (--init {shell_word(workdir)} starts it from these weights)")
-        if key == "norm_weight_decay" and (old is None) != (new is None):
-            trained = "without it" if old is None else f"with --norm-weight-decay {old}"
-            fix = "without --norm-weight-decay" if old is None else f"with --norm-weight-decay {old}"
-            raise ConfigError(f"--resume: `--norm-weight-decay` (={'not given' if new is None else new}) cannot continue "
-                              f"the run in {workdir}, trained {trained}: a --norm-weight-decay keeps the BatchNorm "
-                              "parameters' optimizer state apart from the others' (torch's two param groups), so the "
+        if key in ("norm_weight_decay", "bias_weight_decay") and (old is None) != (new is None):
+            trained = "without it" if old is None else f"with {flag} {old}"
+            fix = f"without {flag}" if old is None else f"with {flag} {old}"
+            whose = "the BatchNorm parameters'" if key == "norm_weight_decay" else "the biases'"
+            raise ConfigError(f"--resume: `{flag}` (={'not given' if new is None else new}) cannot continue "
+                              f"the run in {workdir}, trained {trained}: a {flag} keeps {whose} "
+                              "optimizer state apart from the others' (torch's param groups), so the "
                               f"checkpoint cannot be restored; resume {fix}, or start a new --workdir")
         raise ConfigError(f"--resume: `{flag}` (={new}) cannot continue the run in {workdir}, trained with "
                           f"{flag} {old}: changing it to or from 0 changes what the optimizer keeps "

@@ -3,8 +3,10 @@
 `jaxport train` takes that script's optimizer flags, with its names and meanings. In torch the
 script builds (stepping the scheduler once after each epoch, and clipping before each step):
 
-    params = model.parameters()                      # or, with --norm-weight-decay, two groups:
-    params = [{"params": norm, "weight_decay": norm_weight_decay}, {"params": other, "weight_decay": weight_decay}]
+    params = model.parameters()                      # or, with --norm-weight-decay / --bias-weight-decay:
+    params = set_weight_decay(model, weight_decay, norm_weight_decay, [("bias", bias_weight_decay)])
+           # groups "other", "norm" (the normalization layers' parameters), "bias" (every parameter
+           # named bias, the BatchNorms' too: the key wins over the norm group)
     opt = SGD(params, lr, momentum, weight_decay, nesterov="nesterov" in name) | AdamW(params, lr, weight_decay)
     main = CosineAnnealingLR(T_max=epochs - warmup_epochs, eta_min=lr_min) | StepLR(lr_step_size, lr_gamma)
            | ExponentialLR(lr_gamma)
@@ -38,7 +40,7 @@ _SCHEDULER_ALIASES = {"cosine": "cosineannealinglr", "cosineannealing": "cosinea
 # were settings: SGD on a cosine without warm-up, every parameter decayed, no clipping.
 DEFAULTS = {"opt": "sgd", "lr_scheduler": "cosineannealinglr", "lr_step_size": 30, "lr_gamma": 0.1, "lr_min": 0.0,
             "lr_warmup_epochs": 0, "lr_warmup_method": "constant", "lr_warmup_decay": 0.01,
-            "norm_weight_decay": None, "clip_grad_norm": None}
+            "norm_weight_decay": None, "bias_weight_decay": None, "clip_grad_norm": None}
 
 
 class Recipe(Protocol):
@@ -57,6 +59,7 @@ class Recipe(Protocol):
     lr_warmup_method: str
     lr_warmup_decay: float
     norm_weight_decay: float | None
+    bias_weight_decay: float | None
     clip_grad_norm: float | None
 
 
@@ -117,6 +120,10 @@ def check(r: Recipe) -> None:
         raise ConfigError(f"`--norm-weight-decay` (={shown(r.norm_weight_decay)}) must be a finite number >= 0 (the "
                           "weight decay of the BatchNorm layers' parameters, e.g. 0), or left out to decay them by "
                           "--weight-decay")
+    if r.bias_weight_decay is not None and not (is_finite(r.bias_weight_decay) and r.bias_weight_decay >= 0):
+        raise ConfigError(f"`--bias-weight-decay` (={shown(r.bias_weight_decay)}) must be a finite number >= 0 (the "
+                          "weight decay of every bias: the classifier's and the BatchNorm layers', e.g. 0), or left "
+                          "out to decay them as the others")
     if r.clip_grad_norm is not None and not (is_finite(r.clip_grad_norm) and r.clip_grad_norm > 0):
         raise ConfigError(f"`--clip-grad-norm` (={shown(r.clip_grad_norm)}) must be a finite number > 0 (the "
                           "largest norm of all gradients together, torch's clip_grad_norm_ max_norm, e.g. 1), or "
@@ -164,9 +171,26 @@ def norm_labels(params: Any) -> Any:
     jaxport's BatchNorm is the one module holding a "scale" (with its "bias"); convolutions and
     the classifier hold a "kernel". So a leaf is "norm" where its module holds a "scale".
     """
+    return group_labels(params, norm=True, bias=False)
+
+
+def group_labels(params: Any, *, norm: bool, bias: bool) -> Any:
+    """Each parameter's group in torchvision's `utils.set_weight_decay(model, weight_decay,
+    norm_weight_decay, custom_keys_weight_decay=[("bias", bias_weight_decay)])`, over a Flax
+    params tree: with `bias`, "bias" for every leaf named bias (torch names the classifier's and
+    each BatchNorm's shift so, as Flax does; the key is matched first, so a BatchNorm's bias is
+    in it, not in "norm"); with `norm`, "norm" for the other parameters of a normalization layer
+    (`norm_labels`); "other" for the rest.
+    """
     leaves = jax.tree_util.tree_leaves_with_path(params)
     norms = {path[:-1] for path, _ in leaves if _key(path[-1]) == "scale"}
-    return jax.tree_util.tree_map_with_path(lambda path, _: "norm" if path[:-1] in norms else "other", params)
+
+    def label(path, _) -> str:
+        if bias and _key(path[-1]) == "bias":
+            return "bias"
+        return "norm" if norm and path[:-1] in norms else "other"
+
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def _key(entry) -> Any:
@@ -176,8 +200,9 @@ def _key(entry) -> Any:
 def optimizer(r: Recipe, steps_per_epoch: int) -> optax.GradientTransformation:
     """The optimizer torchvision's script builds for this recipe, as one optax transformation:
     SGD (nesterov) or AdamW at `epoch_schedule`'s lr, stepped per epoch, the BatchNorm
-    parameters in their own group with `--norm-weight-decay` (`optax.multi_transform` over
-    `norm_labels`), the gradients clipped first with torch's `clip_grad_norm_`.
+    parameters in their own group with `--norm-weight-decay`, the biases in theirs with
+    `--bias-weight-decay` (`optax.multi_transform` over `group_labels`), the gradients clipped
+    first with torch's `clip_grad_norm_`.
 
     The clip keeps no state, and the optimizer's state is the plain optimizer's, so that
     `--clip-grad-norm` can be turned on or off when a run resumes (after a divergence, say).
@@ -190,10 +215,14 @@ def optimizer(r: Recipe, steps_per_epoch: int) -> optax.GradientTransformation:
             return adamw(lr, weight_decay=weight_decay)
         return sgd(lr, momentum=r.momentum, weight_decay=weight_decay, nesterov=optimizer_name(r.opt) == "sgd-nesterov")
 
-    if r.norm_weight_decay is None:
+    norm, bias = r.norm_weight_decay is not None, r.bias_weight_decay is not None
+    if not (norm or bias):
         tx = make(r.weight_decay)
     else:
-        tx = optax.multi_transform({"norm": make(r.norm_weight_decay), "other": make(r.weight_decay)}, norm_labels)
+        decays = {"other": r.weight_decay, "norm": r.norm_weight_decay, "bias": r.bias_weight_decay}
+        groups = ["other"] + ["norm"] * norm + ["bias"] * bias
+        tx = optax.multi_transform({g: make(decays[g]) for g in groups},
+                                   lambda params: group_labels(params, norm=norm, bias=bias))
     if r.clip_grad_norm is None:
         return tx
     clip = clip_grad_norm(r.clip_grad_norm)
@@ -210,16 +239,17 @@ def state_structure(settings: Mapping[str, Any]) -> list[tuple[str, Any]]:
     the structure of its optimizer state, as (setting, fact) pairs in the order a refused
     resume names them: a checkpoint restores only into a state of the same structure.
 
-    SGD and AdamW keep other state; `--norm-weight-decay` splits it into two groups. torch's
-    SGD keeps no momentum buffer at momentum 0 and optax no decay step at weight decay 0 (AdamW
-    keeps both whatever their values). Nesterov, the schedule and the clip change no state.
+    SGD and AdamW keep other state; `--norm-weight-decay` and `--bias-weight-decay` split it into
+    groups. torch's SGD keeps no momentum buffer at momentum 0 and optax no decay step at weight
+    decay 0 (AdamW keeps both whatever their values). Nesterov, the schedule and the clip change
+    no state.
     """
     s = DEFAULTS | dict(settings)
     adam = optimizer_name(s["opt"]) == "adamw"
-    split = s["norm_weight_decay"] is not None
-    facts: list[tuple[str, Any]] = [("opt", "adamw" if adam else "sgd"), ("norm_weight_decay", split)]
+    groups = [k for k in ("norm_weight_decay", "bias_weight_decay") if s[k] is not None]
+    facts: list[tuple[str, Any]] = [("opt", "adamw" if adam else "sgd"),
+                                    *((k, s[k] is not None) for k in ("norm_weight_decay", "bias_weight_decay"))]
     if not adam:
         facts += [("momentum", s["momentum"] == 0), ("weight_decay", s["weight_decay"] == 0)]
-        if split:
-            facts.append(("norm_weight_decay", s["norm_weight_decay"] == 0))
+        facts += [(k, s[k] == 0) for k in groups]
     return facts
