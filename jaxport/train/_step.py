@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 from .._args import is_int, is_real, one_of
 from .._errors import ConfigError
 from .._xla import compiler_options
+from . import _mix
 
 AXIS = "data"
 
@@ -149,7 +150,13 @@ def check_label_smoothing(value, name: str = "label_smoothing") -> float:
 
 def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float = 0.0) -> jax.Array:
     """Per-example `torch.nn.functional.cross_entropy(..., reduction="none", label_smoothing=ls)`,
-    in >= float32.
+    in >= float32, for class indices or (as torch too) class probabilities.
+
+    `labels` of a floating dtype and the logits' shape are probabilities (MixUp's and CutMix's
+    soft targets, `_mix`): the loss is torch's `-sum(logp * t)` over the classes with `t =
+    labels * (1 - ls) + ls / num_classes`. A row of them that is not finite (`_mix` makes the rows
+    of out-of-range labels NaN) gives that example a NaN loss and no gradient, where torch's
+    gradient would be NaN too. A logit of -inf with a target of 0 makes the loss NaN, as in torch.
 
     With `ls = label_smoothing` and `logp = log_softmax(logits)`, the loss is torch's
     `(1 - ls) * -logp[label] + ls * mean(-logp)` over the classes (the cross-entropy against
@@ -164,6 +171,13 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float =
     """
     ls = check_label_smoothing(label_smoothing)
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    if jnp.issubdtype(labels.dtype, jnp.floating) and labels.shape == logits.shape:
+        valid = jnp.all(jnp.isfinite(labels), axis=-1)
+        target = jnp.where(valid[..., None], labels, 0).astype(dtype)
+        if ls:
+            target = target * (1 - ls) + ls / logits.shape[-1]
+        loss = -jnp.sum(jax.nn.log_softmax(logits.astype(dtype), axis=-1) * target, axis=-1)
+        return jnp.where(valid, loss, jnp.nan)
     valid = (labels >= 0) & (labels < logits.shape[-1])
     safe = jnp.where(valid, labels, 0)
     if ls == 0:  # optax's fused form: the losses and gradients every run without smoothing had
@@ -214,7 +228,8 @@ def _check_batch(images, labels, mask=None) -> None:
 
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
-                    donate: bool = True, running_stats: str = "mean", label_smoothing: float = 0.0) -> Callable:
+                    donate: bool = True, running_stats: str = "mean", label_smoothing: float = 0.0,
+                    mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, seed: int = 0) -> Callable:
     """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
 
     `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
@@ -239,9 +254,15 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     SyncBatchNorm (`bn_axis_name="data"`) or on one device every device's update is the same
     already, and the choice changes nothing.
 
+    `mixup_alpha`, `cutmix_alpha` (0: off) mix each global batch as torchvision's train.py
+    `--mixup-alpha`, `--cutmix-alpha` do (`_mix`): one of the two (uniformly, if both are > 0)
+    with one draw per step from `_mix.step_key(seed, state.step)`, the batch rolled by one over
+    all devices, so the step does not depend on the device or process count. The loss is then
+    against the soft targets, and `correct` counts predictions equal to their argmax (torchvision's
+    `utils.accuracy` with 2-D targets).
+
     Gradient clipping, param groups and frozen parameters belong in `tx` (see
-    `torch_compat.optim`). What this step does not take, another loss (soft targets, class
-    weights) or BatchNorm kept in eval mode while training (`bn.eval()`, FrozenBatchNorm2d), is
+    `torch_compat.optim`). What this step does not take, another loss (class weights) or BatchNorm kept in eval mode while training (`bn.eval()`, FrozenBatchNorm2d), is
     a step of your own: `model.apply(..., train=False)` inside `jax.shard_map`, gradients
     `pmean`-ed over "data", as here.
 
@@ -254,8 +275,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
     one_of("running_stats", running_stats, RUNNING_STATS)
     label_smoothing = check_label_smoothing(label_smoothing)
+    mixup_alpha = _mix.check_alpha(mixup_alpha, "mixup_alpha")
+    cutmix_alpha = _mix.check_alpha(cutmix_alpha, "cutmix_alpha")
+    if (mixup_alpha or cutmix_alpha) and not (is_int(seed) and 0 <= seed < 2**63):
+        raise ConfigError(f"`seed` (={seed!r}) must be an integer from 0 to 2**63 - 1")
 
     def local_step(state: TrainState, images, labels):
+        if mixup_alpha or cutmix_alpha:
+            images, labels = _mix.mix(_mix.step_key(seed, state.step), images, labels, model.num_classes, mixup_alpha,
+                                      cutmix_alpha, axis_name=AXIS)
+
         def loss_fn(params):
             logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, images,
                                           train=True, mutable=["batch_stats"])
@@ -273,7 +302,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": jax.lax.pmean(loss, AXIS),
-            "correct": jax.lax.psum(jnp.sum(jnp.argmax(logits, -1) == labels), AXIS),
+            "correct": jax.lax.psum(jnp.sum(jnp.argmax(logits, -1) == (jnp.argmax(labels, -1) if labels.ndim > 1
+                                                                        else labels)), AXIS),
         }
         new = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state)
         return new, metrics
