@@ -191,6 +191,12 @@ def add_parser(subparsers) -> None:
                    metavar="LS", help="label smoothing of the training loss, from 0 to 1, as torch's "
                                       "CrossEntropyLoss(label_smoothing=LS); the train loss shown is then the "
                                       "smoothed one, the val loss stays plain cross-entropy (default: %(default)s)")
+    p.add_argument("--mixup-alpha", type=_real("--mixup-alpha", 0.2), default=d.mixup_alpha, metavar="ALPHA",
+                   help="MixUp each training batch, as torchvision's v2.MixUp(alpha=ALPHA): lam ~ Beta(ALPHA, ALPHA), "
+                        "each image mixed with the previous one of the global batch; 0 for none (default: %(default)s)")
+    p.add_argument("--cutmix-alpha", type=_real("--cutmix-alpha", 1.0), default=d.cutmix_alpha, metavar="ALPHA",
+                   help="CutMix each training batch, as torchvision's v2.CutMix(alpha=ALPHA); with --mixup-alpha too, "
+                        "each step picks one of the two at random; 0 for none (default: %(default)s)")
     p.add_argument("--init", default=None, metavar="PATH",
                    help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
                         "finds a checkpoint) (default: a fresh initialisation from --seed)")

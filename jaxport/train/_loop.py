@@ -23,7 +23,7 @@ from .._args import finite, is_int, is_real, one_of, shell_word, shown
 from .._errors import CheckpointError, ConfigError, DivergedError, JaxportError
 from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
-from . import _checkpoint, _data, _distributed, _ema, _memory, _presets, _recipe
+from . import _checkpoint, _data, _distributed, _ema, _memory, _mix, _presets, _recipe
 from ._init import fit_head, load_init
 from ._step import (RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
                     make_train_step, replicate, shard_batch)
@@ -92,6 +92,9 @@ class TrainConfig:
     bn_stats: str = "mean"
     # torch's CrossEntropyLoss(label_smoothing=...) for the training loss; evaluation's stays plain.
     label_smoothing: float = 0.0
+    # torchvision's --mixup-alpha, --cutmix-alpha (0: off): each global batch mixed in the step (`_mix`).
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
     init: str | None = None
     trusted: bool = False  # allow a full unpickle of the `init` checkpoint (runs code from it)
     resume: bool = False
@@ -161,6 +164,7 @@ def _validate(cfg: TrainConfig) -> None:
     one_of("--dtype", cfg.dtype, DTYPES, why=_NOT_TRAINED, aliases=_DTYPE_ALIASES)
     one_of("--bn-stats", cfg.bn_stats, RUNNING_STATS)
     check_label_smoothing(cfg.label_smoothing, "--label-smoothing")
+    _mix.check_alpha(cfg.mixup_alpha, "--mixup-alpha"), _mix.check_alpha(cfg.cutmix_alpha, "--cutmix-alpha")
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={shown(cfg.lr)}) must be a finite number > 0")
@@ -360,8 +364,8 @@ def _flags(cfg: TrainConfig) -> dict:
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
               "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
-              "seed", "sync_bn", "bn_stats", "label_smoothing", "resume", "dtype", "checkpoint_every",
-              "keep_checkpoints", "max_steps", "devices", "num_processes")
+              "seed", "sync_bn", "bn_stats", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume", "dtype",
+              "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
@@ -508,14 +512,20 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 # change only where it stays the same (`_check_optimizer_state`).
 # (--train-crop-size is not: it is the run's --image-size, which a resume must keep.)
 _RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "label_smoothing",
-              "dtype", "model_ema", "model_ema_steps", "model_ema_decay",
+              "mixup_alpha", "cutmix_alpha", "dtype", "model_ema", "model_ema_steps", "model_ema_decay",
               *(k for k in _presets.DEFAULTS if k != "train_crop_size"))
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too (and one with the same values, silently).
-_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, **_recipe.DEFAULTS,
+_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+                    **_recipe.DEFAULTS,
                     **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")},
                     # (not the held-out sizes: earlier runs derived them from --image-size, unrecorded)
                     **{k: v for k, v in _presets.DEFAULTS.items() if k not in _presets.SIZES}}
+
+
+def _mixing(cfg: TrainConfig) -> dict:
+    """`make_train_step`'s MixUp and CutMix settings of the run (its draws come from `--seed`)."""
+    return {"mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed}
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -904,7 +914,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
-                               label_smoothing=cfg.label_smoothing)
+                               label_smoothing=cfg.label_smoothing, **_mixing(cfg))
         limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
         if cfg.model_ema:  # its average stays on every device beside the step's buffers: a copy of the variables
             limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=say)
@@ -930,7 +940,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                               None if resumed_step is None else _recorded_devices(resumed_meta))
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
-    step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats, label_smoothing=cfg.label_smoothing)
+    step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats, label_smoothing=cfg.label_smoothing,
+                              **_mixing(cfg))
     evaluate = make_eval_step(model, mesh)
     ema = None  # torchvision's --model-ema: the average (`_ema.EMA`), replicated like the state
     if cfg.model_ema:
@@ -1283,7 +1294,7 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
             limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=lambda m: None)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
-                               label_smoothing=cfg.label_smoothing)
+                               label_smoothing=cfg.label_smoothing, **_mixing(cfg))
         failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
                                      max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,
