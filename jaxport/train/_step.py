@@ -262,8 +262,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     `utils.accuracy` with 2-D targets).
 
     Gradient clipping, param groups and frozen parameters belong in `tx` (see
-    `torch_compat.optim`). What this step does not take, another loss (class weights) or BatchNorm kept in eval mode while training (`bn.eval()`, FrozenBatchNorm2d), is
-    a step of your own: `model.apply(..., train=False)` inside `jax.shard_map`, gradients
+    `torch_compat.optim`). What this step does not take, another loss (class weights) or
+    BatchNorm kept in eval mode while training (`bn.eval()`, FrozenBatchNorm2d), is a step of
+    your own: `model.apply(..., train=False)` inside `jax.shard_map`, gradients
     `pmean`-ed over "data", as here.
 
     With `donate` (the default) a call consumes `state`: its buffers become the new state's,
