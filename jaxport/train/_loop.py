@@ -164,7 +164,8 @@ def _validate(cfg: TrainConfig) -> None:
     one_of("--dtype", cfg.dtype, DTYPES, why=_NOT_TRAINED, aliases=_DTYPE_ALIASES)
     one_of("--bn-stats", cfg.bn_stats, RUNNING_STATS)
     check_label_smoothing(cfg.label_smoothing, "--label-smoothing")
-    _mix.check_alpha(cfg.mixup_alpha, "--mixup-alpha"), _mix.check_alpha(cfg.cutmix_alpha, "--cutmix-alpha")
+    _mix.check_alpha(cfg.mixup_alpha, "--mixup-alpha")
+    _mix.check_alpha(cfg.cutmix_alpha, "--cutmix-alpha")
     # `not x > 0` rather than `x <= 0`: NaN fails every comparison and must be refused too.
     if not (is_real(cfg.lr) and math.isfinite(cfg.lr) and cfg.lr > 0):
         raise ConfigError(f"`--lr` (={shown(cfg.lr)}) must be a finite number > 0")
@@ -523,9 +524,22 @@ _BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, "mixup_alpha": 0
                     **{k: v for k, v in _presets.DEFAULTS.items() if k not in _presets.SIZES}}
 
 
-def _mixing(cfg: TrainConfig) -> dict:
-    """`make_train_step`'s MixUp and CutMix settings of the run (its draws come from `--seed`)."""
-    return {"mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed}
+def _step_options(cfg: TrainConfig) -> dict:
+    """`make_train_step`'s options for the run: the running statistics kept, the loss's label
+    smoothing, and MixUp and CutMix (whose draws come from `--seed`). One place, so that the
+    steps `--batch-size auto` and the out-of-memory advice measure are the one that trains."""
+    return {"running_stats": cfg.bn_stats, "label_smoothing": cfg.label_smoothing, "mixup_alpha": cfg.mixup_alpha,
+            "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed}
+
+
+def _memory_for_steps(cfg: TrainConfig, variables, log: Callable[[str], None]) -> int:
+    """Bytes per device the training step may use: the device's (or `memory_limit_bytes`), less
+    what stays on every device beside the step's buffers: with --model-ema, its average (a copy
+    of the variables)."""
+    limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
+    if cfg.model_ema:
+        limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=log)
+    return limit
 
 
 def _settings(cfg: TrainConfig) -> dict:
@@ -913,11 +927,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
-        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
-                               label_smoothing=cfg.label_smoothing, **_mixing(cfg))
-        limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
-        if cfg.model_ema:  # its average stays on every device beside the step's buffers: a copy of the variables
-            limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=say)
+        step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
+        limit = _memory_for_steps(cfg, variables, say)
         cap = data.train.num_examples // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
                                                  max_per_device=min(256, cap), log=say,
@@ -940,8 +951,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                               None if resumed_step is None else _recorded_devices(resumed_meta))
     tx = tx_for(steps_per_epoch)
     state = create_state(variables, tx, mesh)
-    step_fn = make_train_step(model, tx, mesh, running_stats=cfg.bn_stats, label_smoothing=cfg.label_smoothing,
-                              **_mixing(cfg))
+    step_fn = make_train_step(model, tx, mesh, **_step_options(cfg))
     evaluate = make_eval_step(model, mesh)
     ema = None  # torchvision's --model-ema: the average (`_ema.EMA`), replicated like the state
     if cfg.model_ema:
@@ -1289,12 +1299,9 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
     per_device = batch // n_dev
     where = f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {per_device} per device)"
     try:
-        limit = cfg.memory_limit_bytes or _memory.device_memory_bytes()
-        if cfg.model_ema:  # as --batch-size auto counts it
-            limit = _memory.leave_for(limit, "--model-ema's average", _memory.tree_bytes(variables), log=lambda m: None)
+        limit = _memory_for_steps(cfg, variables, lambda m: None)  # as --batch-size auto counts it
         state = create_state(variables, tx, mesh)
-        step = make_train_step(model, tx, mesh, donate=False, running_stats=cfg.bn_stats,
-                               label_smoothing=cfg.label_smoothing, **_mixing(cfg))
+        step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
         failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
                                      max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,
