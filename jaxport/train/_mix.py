@@ -121,13 +121,17 @@ def cutmix(images: jax.Array, labels: jax.Array, num_classes: int, box, *,
     `images` are NHWC (jaxport's layout: torch's `[..., y1:y2, x1:x2]` is axes 1 and 2 here);
     inside the box each image takes the previous one's pixels (`images.roll(1, 0)`), and the
     targets are mixed with `lam = 1 - box area / image area`. `axis_name`: as `mixup`."""
-    x1, y1, x2, y2 = box
     height, width = images.shape[1:3]
-    rows, cols = jnp.arange(height)[:, None], jnp.arange(width)[None, :]
-    inside = (rows >= y1) & (rows < y2) & (cols >= x1) & (cols < x2)
-    mixed = jnp.where(inside[None, :, :, None], _roll(images, axis_name), images)
-    lam = _area_lam(x1, y1, x2, y2, height, width)
+    mixed = jnp.where(_inside(box, height, width), _roll(images, axis_name), images)
+    lam = _area_lam(*box, height, width)
     return mixed, _targets(labels, num_classes, lam, _dtype(images), axis_name)
+
+
+def _inside(box, height: int, width: int) -> jax.Array:
+    """(1, height, width, 1): True inside the box `(x1, y1, x2, y2)`, for NHWC images."""
+    x1, y1, x2, y2 = box
+    rows, cols = jnp.arange(height)[:, None], jnp.arange(width)[None, :]
+    return ((rows >= y1) & (rows < y2) & (cols >= x1) & (cols < x2))[None, :, :, None]
 
 
 def draw(key: jax.Array, height: int, width: int, mixup_alpha: float, cutmix_alpha: float) -> dict[str, jax.Array]:
@@ -157,8 +161,13 @@ def mix(key: jax.Array, images: jax.Array, labels: jax.Array, num_classes: int, 
     `key` must be the same on every device (e.g. `step_key(seed, step)`): the draw is one per
     global batch. Returns the mixed NHWC images and the soft targets (N, num_classes).
     """
-    d = draw(key, images.shape[1], images.shape[2], mixup_alpha, cutmix_alpha)
-    box, _ = cutmix_box(d["lam"], d["r_x"], d["r_y"], images.shape[1], images.shape[2])
-    mixed_up = mixup(images, labels, num_classes, d["lam"], axis_name=axis_name)
-    cut = cutmix(images, labels, num_classes, box, axis_name=axis_name)
-    return jax.tree.map(lambda c, m: jnp.where(d["cutmix"], c, m), cut, mixed_up)
+    height, width = images.shape[1:3]
+    d = draw(key, height, width, mixup_alpha, cutmix_alpha)
+    box, box_lam = cutmix_box(d["lam"], d["r_x"], d["r_y"], height, width)
+    # One roll of the images and one of the targets, whichever is chosen: building both `mixup`'s
+    # and `cutmix`'s results rolled each twice (across devices, a collective each) every step.
+    rolled, lam = _roll(images, axis_name), d["lam"]
+    mixed = jnp.where(d["cutmix"], jnp.where(_inside(box, height, width), rolled, images),
+                      rolled * (1 - lam) + images * lam)
+    lam = jnp.where(d["cutmix"], box_lam, lam)
+    return mixed, _targets(labels, num_classes, lam, _dtype(images), axis_name)
