@@ -161,34 +161,33 @@ def _clean_stop(results, pattern):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["flag", "init", "workdir", "data"])
+@pytest.mark.parametrize("case", ["init_and_data", "workdir"])
 def test_processes_started_differently_are_refused_on_every_process(tmp_path, case):
     """A difference between the processes' launch lines trained silently wrong weights (another
     --lr or --init on one process; only process 0's are saved), or hung (separate workdirs;
-    another --max-steps). Every process now refuses, naming the difference, before training."""
-    if case == "flag":
-        extra = [["--workdir", "w"], ["--workdir", "w", "--lr", "0.2"]]
-        pattern = r"different settings \(--lr: 0\.05 on process 0, 0\.2 on process 1\)"
-    elif case == "init":
+    another --max-steps). Every process now refuses, naming the difference, before training.
+
+    --init and --data are compared at one point (after loading), which names every difference:
+    one launch whose processes differ in both shows that each is checked. Another --lr is in
+    `test_processes_told_different_counts_are_refused`, beside another --num-processes."""
+    if case == "init_and_data":
         import torch
         import torchvision
+        from PIL import Image
 
         for seed in (0, 1):
             torch.manual_seed(seed)
             torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), tmp_path / f"r18_{seed}.pth")
-        extra = [["--workdir", "w", "--init", f"r18_{i}.pth"] for i in range(2)]
-        pattern = r"different settings \(starting weights \(--init, --seed\): \w+ on process 0, \w+ on process 1\)"
-    elif case == "data":  # the same file names and counts; one image of another size on process 1
-        from PIL import Image
-
+        # The same file names and counts; one image of another size on process 1.
         for root in ("d0", "d1"):
             for c in ("a", "b"):
                 os.makedirs(tmp_path / root / c)
                 for i in range(20):
                     side = 24 if (root, c, i) == ("d1", "b", 7) else 20
                     Image.new("RGB", (side, side), (i, 0, 0)).save(tmp_path / root / c / f"{i}.png")
-        extra = [["--workdir", "w", "--data", f"d{i}"] for i in range(2)]
-        pattern = r"different settings \(--data \(files\): \w+ on process 0, \w+ on process 1\)"
+        extra = [["--workdir", "w", "--init", f"r18_{i}.pth", "--data", f"d{i}"] for i in range(2)]
+        pattern = (r"different settings \(--data \(files\): \w+ on process 0, \w+ on process 1; "
+                   r"starting weights \(--init, --seed\): \w+ on process 0, \w+ on process 1\)")
     else:
         extra = [["--workdir", "w0"], ["--workdir", "w1"]]
         pattern = (r"`--workdir` must be one directory that every process sees .*process 0 writes \S+w0, which "
@@ -359,9 +358,14 @@ def _launch(tmp_path, per_process, timeout=300):
 @pytest.mark.slow
 def test_processes_told_different_counts_are_refused(tmp_path):
     """Told 2 and 3 processes, processes 0 and 1 trained as a run of 2 (process 2, if started,
-    is aborted by jax). Given 1 and 2 devices, both died of an internal reshape error."""
-    _clean_stop(_launch(tmp_path, [(2, ["--num-processes", "2"]), (2, ["--num-processes", "3"])]),
-                r"different settings \(--num-processes: 2 on process 0, 3 on process 1\)")
+    is aborted by jax). Given 1 and 2 devices, both died of an internal reshape error.
+
+    The first launch differs in --lr too, which trained silently wrong weights on process 1
+    (`test_processes_started_differently_are_refused_on_every_process`): every difference
+    between the flags is named, checked before anything is loaded."""
+    _clean_stop(_launch(tmp_path, [(2, ["--num-processes", "2"]), (2, ["--num-processes", "3", "--lr", "0.2"])]),
+                r"different settings \(--lr: 0\.05 on process 0, 0\.2 on process 1; "
+                r"--num-processes: 2 on process 0, 3 on process 1\).*nothing was trained")
     _clean_stop(_launch(tmp_path, [(1, ["--num-processes", "2"]), (2, ["--num-processes", "2"])]),
                 r"every process must have the same number of devices, and they have 1 on process 0, 2 on process 1")
     assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
