@@ -58,6 +58,7 @@ def test_replace_stride_with_dilation_matches_torchvision(dilation):
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
 
 
+@functools.cache  # the zero-init bottleneck serves two tests
 def _small(block, **kwargs):
     """A one-block-per-stage ResNet: the same layers as the named archs, a fraction of the cost."""
     from torchvision.models.resnet import BasicBlock as TBasic
@@ -81,8 +82,11 @@ def test_zero_init_residual_zeroes_last_bn_scale_like_torchvision():
 
 
 def test_fresh_init_is_distributed_like_torchvision():
-    """kaiming_normal(fan_out) convs and nn.Linear's uniform fc, as torchvision initialises."""
-    variables, ref = _small("bottleneck")
+    """kaiming_normal(fan_out) convs and nn.Linear's uniform fc, as torchvision initialises.
+
+    The zero-init model's (compiled once for both tests): `zero_init_residual` sets the last
+    BatchNorm scale of each block and nothing else, the convs and the fc draw the same values."""
+    variables, ref = _small("bottleneck", zero_init_residual=True)
     ours = variables["params"]["layer3"]["0"]["conv2"]["kernel"]
     assert np.std(ours) == pytest.approx(ref["layer3.0.conv2.weight"].std().item(), rel=0.05)
     fc = variables["params"]["fc"]
