@@ -62,6 +62,11 @@ def reference(tmp_path_factory, data):
     return work, rows, load_workdir(str(work))[0]
 
 
+# The tests that read `reference` run on one xdist worker (`make test`'s --dist loadgroup),
+# which computes it once: ungrouped, each worker trained it again.
+_REFERENCE_GROUP = pytest.mark.xdist_group("resume_order_reference")
+
+
 def _kill_at_epoch_2_checkpoint(monkeypatch, when):
     """Raise `_Killed` just `when` ("before"/"after") the second epoch's checkpoint is written."""
     save = _checkpoint.save
@@ -86,6 +91,7 @@ def _resume_and_compare(work, data, reference, monkeypatch):
     return said
 
 
+@_REFERENCE_GROUP
 def test_a_kill_just_after_an_epoch_checkpoint_loses_no_metrics_row(tmp_path, data, reference, monkeypatch):
     """The checkpoint was written before the row: a run killed between the two resumed after
     that epoch and never wrote its row (metrics.jsonl and the plot missed epoch 2)."""
@@ -99,22 +105,35 @@ def test_a_kill_just_after_an_epoch_checkpoint_loses_no_metrics_row(tmp_path, da
     assert not any("holds no row" in m for m in said), said
 
 
+@pytest.fixture(scope="module")
+def killed_before_epoch_2_checkpoint(tmp_path_factory, data):
+    """A run killed after epoch 2's row, before its checkpoint: both cases of the test below
+    resume a copy of it (one run killed, not one per case)."""
+    work = tmp_path_factory.mktemp("killed-before")
+    with pytest.MonkeyPatch.context() as m:
+        _kill_at_epoch_2_checkpoint(m, "before")
+        with pytest.raises(_Killed):
+            train(_cfg(work, data))
+    return work
+
+
+@_REFERENCE_GROUP
 @pytest.mark.parametrize("torn", [False, True], ids=["whole-row", "torn-row"])
-def test_a_row_written_before_its_checkpoint_is_written_once(tmp_path, data, reference, monkeypatch, torn):
+def test_a_row_written_before_its_checkpoint_is_written_once(tmp_path, data, reference, monkeypatch, torn,
+                                                             killed_before_epoch_2_checkpoint):
     """Killed after the epoch's row but before its checkpoint, the resumed run goes back to step 6
     and trains epoch 2 again: the row already there is dropped, not repeated. `torn`: killed
     while appending the row (half a line, no newline), which made --resume fail with "line 2 is
     not a metrics row"."""
-    _kill_at_epoch_2_checkpoint(monkeypatch, "before")
-    with pytest.raises(_Killed):
-        train(_cfg(tmp_path, data))
-    assert _steps(tmp_path)[-1] == 6
-    metrics = tmp_path / "metrics.jsonl"
+    work = tmp_path / "w"
+    shutil.copytree(killed_before_epoch_2_checkpoint, work)
+    assert _steps(work)[-1] == 6
+    metrics = work / "metrics.jsonl"
     lines = metrics.read_text().splitlines(keepends=True)
     assert [json.loads(x)["epoch"] for x in lines] == [0, 1]
     if torn:
         metrics.write_text(lines[0] + lines[1][:len(lines[1]) // 2])
-    _resume_and_compare(tmp_path, data, reference, monkeypatch)
+    _resume_and_compare(work, data, reference, monkeypatch)
 
 
 def test_a_line_that_is_not_a_row_is_still_refused(tmp_path):
@@ -155,6 +174,7 @@ def _copy(reference, tmp_path):
     return work
 
 
+@_REFERENCE_GROUP
 def test_resume_does_not_read_init_when_a_checkpoint_exists(tmp_path, data, reference, monkeypatch):
     """--init with --resume was loaded (slow, and an error if the file had moved) and then
     overwritten by the checkpoint; now it is not read, and the resume line says so."""
@@ -174,6 +194,7 @@ def test_resume_does_not_read_init_when_a_checkpoint_exists(tmp_path, data, refe
     assert any("moved.safetensors is not used" in m for m in said), said
 
 
+@_REFERENCE_GROUP
 def test_resume_without_a_checkpoint_starts_from_init(tmp_path, data, reference, monkeypatch):
     init = tmp_path / "init.safetensors"
     shutil.copy(reference[0] / "variables.safetensors", init)
@@ -187,6 +208,7 @@ def test_resume_without_a_checkpoint_starts_from_init(tmp_path, data, reference,
     assert not any("is not used" in m for m in said), said
 
 
+@_REFERENCE_GROUP
 def test_resume_completes_a_workdir_killed_before_its_final_files(tmp_path, data, reference):
     """Killed after the last checkpoint but before variables.safetensors and the plot: --resume
     has nothing to train and writes both, from the checkpoint and every row. A row lost for good
@@ -218,6 +240,7 @@ def test_a_workdir_that_cannot_be_written_is_refused_before_any_work(tmp_path, m
         train(TrainConfig(workdir="/proc/jaxport-x", progress=False))
 
 
+@_REFERENCE_GROUP
 def test_resume_refuses_data_that_changed_since_the_checkpoint(tmp_path, data, reference):
     """A probe added images to --data and resumed: steps per epoch changed, so the checkpoint's
     step fell mid-way through another epoch, a finished epoch's row was deleted, an "epoch" of a
@@ -256,6 +279,7 @@ def test_resume_refuses_data_that_changed_since_the_checkpoint(tmp_path, data, r
                             "checkpoint was written") for m in said), said
 
 
+@_REFERENCE_GROUP
 def test_resume_rewrites_metrics_to_one_row_per_finished_epoch(tmp_path, data, reference):
     """A deleted metrics.jsonl was not reported (a truncated one was); a row repeated by an edit
     stayed twice (and twice in the plot); an epoch that is not an integer ("0") was an internal
@@ -279,6 +303,7 @@ def test_resume_rewrites_metrics_to_one_row_per_finished_epoch(tmp_path, data, r
             train(_cfg(work, data, resume=True))
 
 
+@_REFERENCE_GROUP
 def test_resume_with_fewer_epochs_than_done_trains_nothing_and_names_no_new_schedule(tmp_path, data, reference):
     """Resuming a finished 3-epoch run with --epochs 2 said "(the cosine schedule now ends at the
     new --epochs)", though no step was left to run on any schedule."""
@@ -314,6 +339,7 @@ def test_images_per_s_leaves_out_the_compiling_step(tmp_path, monkeypatch, data)
     assert [r["images_per_s"] for r in rows] == [4.0, 4.0]  # 3 steps of 4 images in 3 s; 4 in 4 s
 
 
+@_REFERENCE_GROUP
 def test_an_image_gone_mid_run_checkpoints_the_last_step_and_says_how_to_continue(tmp_path, data, reference,
                                                                                     monkeypatch):
     """A class folder moved away after step 5 (the loader fails fetching a later batch): the
@@ -359,6 +385,7 @@ def _move_after_steps(monkeypatch, folder, aside, n):
     return calls
 
 
+@_REFERENCE_GROUP
 @pytest.mark.parametrize("epoch", [2, 3], ids=["mid-run", "last-epoch"])
 def test_an_image_gone_during_an_evaluation_checkpoints_the_epoch_and_resume_evaluates_it(tmp_path, data, reference,
                                                                                           monkeypatch, epoch):
@@ -404,6 +431,7 @@ def test_an_image_gone_during_an_evaluation_checkpoints_the_epoch_and_resume_eva
         _resume_and_compare(work, copy, reference, monkeypatch)
 
 
+@_REFERENCE_GROUP
 def test_a_loader_failing_after_a_stop_request_during_an_evaluation_keeps_the_epoch(tmp_path, data, reference,
                                                                                   monkeypatch):
     """Ctrl-C reaches the DataLoader's workers too; one failing a fetch of epoch 2's evaluation
@@ -430,6 +458,7 @@ def test_a_loader_failing_after_a_stop_request_during_an_evaluation_keeps_the_ep
     _resume_and_compare(tmp_path, data, reference, monkeypatch)
 
 
+@_REFERENCE_GROUP
 def test_an_image_gone_while_a_stop_request_arrives_still_checkpoints_the_last_step(tmp_path, data, reference,
                                                                                    monkeypatch):
     """Class folder a/ moved away after step 5, and Ctrl-C during the fetch that then fails: the
@@ -473,6 +502,7 @@ def test_only_sizes_changed_is_a_replacement_in_place():
     assert not _loop._replaced_in_place({k: v for k, v in was.items() if k != "names"}, was | {"files": "f2"})
 
 
+@_REFERENCE_GROUP
 def test_resume_compiles_no_model_init_and_refuses_a_checkpoint_gone_meanwhile(tmp_path, data, reference, caplog,
                                                                                monkeypatch):
     """A resumed run compiled `model.init` (5-10 s for ResNet-50) for weights the checkpoint then
