@@ -183,11 +183,28 @@ def test_train_digits_export_and_metrics(tmp_path):
         train(cfg)
 
 
-def test_corrupt_checkpoint_on_resume(tmp_path):
-    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
-                      checkpoint_every=1, progress=False, devices=1)
-    train(cfg)
-    latest = tmp_path / "checkpoints" / "2" / "state"
+# A run of 2 steps that checkpoints both: what the tests below break or resume, each in a copy
+# of its own. They share an xdist group, so it is trained once (it was once per test).
+TWO_STEPS = dict(image_size=16, batch_size=64, epochs=1, max_steps=2, checkpoint_every=1, progress=False, devices=1)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    work = tmp_path_factory.mktemp("two-steps") / "w"
+    train(TrainConfig(workdir=str(work), **TWO_STEPS))
+    return work
+
+
+def _copy_of(workdir, tmp_path):
+    shutil.copytree(workdir, tmp_path / "w")
+    return tmp_path / "w"
+
+
+@pytest.mark.xdist_group("two_steps")
+def test_corrupt_checkpoint_on_resume(tmp_path, two_steps):
+    work = _copy_of(two_steps, tmp_path)
+    cfg = TrainConfig(workdir=str(work), **TWO_STEPS)
+    latest = work / "checkpoints" / "2" / "state"
     for root, _, files in os.walk(latest):
         for f in files:
             with open(os.path.join(root, f), "r+b") as fh:
@@ -213,15 +230,14 @@ def test_the_clis_default_shows_a_progress_bar_on_a_terminal_only(tmp_path, monk
 
 
 @pytest.mark.slow
-def test_export_of_a_workdir_names_what_can_be_read(tmp_path, capsys):
+@pytest.mark.xdist_group("two_steps")
+def test_export_of_a_workdir_names_what_can_be_read(tmp_path, capsys, two_steps):
     """`jaxport export WORKDIR` with an unreadable latest checkpoint: besides the one-line error,
     tensorstore's leftover reads printed up to hundreds of lines of "Event loop is closed"
     tracebacks, and the advice was to delete the checkpoint and train again, though the run's
     final variables file was intact. A checkpoint meta without `arch` was a KeyError even with
     --arch."""
-    cfg = TrainConfig(workdir=str(tmp_path / "w"), image_size=16, batch_size=64, epochs=1, max_steps=2,
-                      checkpoint_every=1, progress=False, devices=1)
-    train(cfg)
+    _copy_of(two_steps, tmp_path)  # tmp_path / "w"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
     def export(workdir, *extra):
@@ -457,14 +473,14 @@ def test_a_coordinator_port_held_by_another_program_is_said():
                              "there, another program holds that port)"), proc.stderr
 
 
-def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
+@pytest.mark.xdist_group("two_steps")
+def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path, two_steps):
     """A run whose loss or weights turn non-finite stops with a clear error naming the step and
     the latest checkpoint; nothing non-finite is ever saved, so the checkpoints left (and the
     previous run's final variables) are finite and --resume can continue from them."""
-    cfg = TrainConfig(workdir=str(tmp_path), image_size=16, batch_size=64, epochs=1, max_steps=2,
-                      checkpoint_every=1, keep_checkpoints=2, progress=False, devices=1)
-    train(cfg)
-    final = (tmp_path / "variables.safetensors").read_bytes()
+    work = _copy_of(two_steps, tmp_path)  # trained with --keep-checkpoints 3 (the default): 1 and 2 are kept
+    cfg = TrainConfig(workdir=str(work), **{**TWO_STEPS, "keep_checkpoints": 2})
+    final = (work / "variables.safetensors").read_bytes()
     with pytest.raises(DivergedError) as e:
         train(TrainConfig(**{**cfg.__dict__, "resume": True, "lr": 1e12, "max_steps": 12}))
     m = re.fullmatch(r"training diverged: the (loss|weights) became \S+ at step (\d+); nothing non-finite was "
@@ -473,10 +489,10 @@ def test_divergence_stops_and_keeps_the_good_checkpoints(tmp_path):
     assert m, str(e.value)
     failed, latest = int(m[2]), int(m[3])
     assert 2 <= latest < failed
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
+    steps = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
     assert steps[-1] == latest and len(steps) <= 2
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(load_workdir(str(tmp_path))[0]))
-    assert (tmp_path / "variables.safetensors").read_bytes() == final
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(load_workdir(str(work))[0]))
+    assert (work / "variables.safetensors").read_bytes() == final
 
 
 def test_a_full_disk_while_checkpointing_is_named_as_such(tmp_path, monkeypatch):
@@ -624,8 +640,10 @@ def test_init_knows_a_variables_file_by_content_and_names_another_architecture(t
     for other, what in (("resnet34", r"\d+ unexpected \(params/layer1/2/bn1/bias, "),
                         ("resnet50", r"\d+ of another shape \(batch_stats/layer2/0/downsample/1/mean: \(512,\) in the "
                                      r"file, \(128,\) in the model")):
-        theirs = jax.tree.map(np.asarray, build(other, num_classes=10).init(jax.random.key(0),
-                                                                          np.zeros((1, 16, 16, 3), np.float32)))
+        # Only the names and shapes matter here: zeros of the shapes `init` gives (ResNet-50's
+        # `init`, run op by op, took most of this test's time).
+        theirs = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), jax.eval_shape(
+            build(other, num_classes=10).init, jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32)))
         jaxport.save_variables(tmp_path / f"{other}.safetensors", theirs)  # no arch recorded
         said = []
         with pytest.raises(CheckpointError, match=rf"--init weights do not fit a resnet18: .*{what}.*they are "
@@ -756,8 +774,11 @@ def test_batch_size_auto_from_memory_analysis():
     m4, m5 = step_bytes(step, state, mesh, 4, 8), step_bytes(step, state, mesh, 5, 8)
     assert m5 > m4 > 0  # XLA's analysis grows with the batch
     messages = []
-    # At 8 px one image per device is no valid train step (1x1 maps): the search starts at 2.
-    assert largest_batch(step, state, mesh, 8, (m4 + m5) // 2, log=messages.append, min_per_device=2) == 4
+    # At 8 px one image per device is no valid train step (1x1 maps): the search starts at 2. It
+    # compiles each size it asks about; up to 8, not the default 256, it asks fewer and smaller
+    # ones (the search itself is checked on many curves in test_train_memory.py).
+    assert largest_batch(step, state, mesh, 8, (m4 + m5) // 2, log=messages.append, min_per_device=2,
+                         max_per_device=8) == 4
     assert "4 per device" in messages[0]
     with pytest.raises(OutOfMemoryError, match="a batch of 2 per device needs"):
         largest_batch(step, state, mesh, 8, 1000, min_per_device=2)
