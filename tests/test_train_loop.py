@@ -2,6 +2,7 @@
 
 Subprocess runs use 2 simulated CPU devices and ResNet-18 at 16 px so each takes seconds.
 """
+import dataclasses
 import io
 import json
 import os
@@ -909,6 +910,12 @@ def test_a_second_ctrl_c_stops_at_once_and_names_the_latest_checkpoint(tmp_path,
         return evaluate(*args, **kwargs)
 
     monkeypatch.setattr(_loop, "_evaluate", twice_interrupted)
+    # The CLI trains on every device jax sees (the suite's 8 simulated ones); one device stops
+    # the same way at less cost, with the step other tests compile too.
+    from jaxport.train import _cli as train_cli
+
+    config = train_cli.config_from_args
+    monkeypatch.setattr(train_cli, "config_from_args", lambda args: dataclasses.replace(config(args), devices=1))
     code = main(["train", "--workdir", str(tmp_path / "w"), "--image-size", "16", "--batch-size", "64",
                  "--epochs", "2", "--checkpoint-every", "10", "--no-progress"])
     err = capfd.readouterr().err
