@@ -7,11 +7,33 @@ import numpy as np
 import pytest
 
 from jaxport._errors import ConfigError
-from jaxport.models import build
+from jaxport.models import ResNet
 from jaxport.train import check_batch_size, create_state, make_mesh, make_train_step, shard_batch
 from torch_compat import optim
 
 BATCH, SIZE, STEPS = 16, 16, 2
+# The device-count runs use ResNet-18's blocks at half its depth (one basic block a stage): the
+# stem, an identity and three projection shortcuts, every BatchNorm synced or not, and the head,
+# as in ResNet-18, for about half the compile time of each of the five steps compiled here
+# (1 and 8 devices, float32 and float64, per-device BN). Depth adds nothing these checks see.
+LAYERS = (1, 1, 1, 1)
+
+
+def _model(sync_bn):
+    return ResNet(block="basic", layers=LAYERS, num_classes=10, zero_init_residual=True,
+                  bn_axis_name="data" if sync_bn else None)
+
+
+def _sgd():
+    return optim.sgd(0.05, momentum=0.9, weight_decay=1e-4)
+
+
+@functools.lru_cache
+def _initial_variables(seed):
+    # One initialisation (float32 parameters, the model's param_dtype) for every run, cast to
+    # the run's dtype: initialising again under `jax.enable_x64` compiled each of init's eager
+    # ops a second time. The two models differ only in `bn_axis_name`, which init does not read.
+    return jax.device_get(_model(False).init(jax.random.key(seed), np.zeros((1, SIZE, SIZE, 3), np.float32)))
 
 
 @functools.lru_cache  # the 8-device SyncBN run serves two tests
@@ -20,10 +42,9 @@ def _train(num_devices, sync_bn, seed=0, steps=STEPS, dtype=np.float32):
     # devices" would silently compare one device with itself.
     mesh = make_mesh(jax.devices("cpu")[:num_devices])
     assert mesh.devices.size == num_devices, "tests/conftest.py sets JAX_NUM_CPU_DEVICES=8"
-    model = build("resnet18", num_classes=10, zero_init_residual=True, bn_axis_name="data" if sync_bn else None)
-    variables = model.init(jax.random.key(seed), np.zeros((1, SIZE, SIZE, 3), dtype))
-    variables = jax.tree.map(lambda v: v.astype(dtype), variables)
-    tx = optim.sgd(0.05, momentum=0.9, weight_decay=1e-4)
+    model = _model(sync_bn)
+    variables = jax.tree.map(lambda v: v.astype(dtype), _initial_variables(seed))
+    tx = _sgd()
     state = create_state(variables, tx, mesh)
     step = make_train_step(model, tx, mesh)
     rng = np.random.default_rng(seed)
@@ -74,9 +95,9 @@ def test_per_device_bn_keeps_replicas_identical():
 
 def test_step_compiles_once():
     mesh = make_mesh()
-    model = build("resnet18", num_classes=10)
-    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
-    tx = optim.sgd(0.1)
+    # The model, optimizer and shapes of `_train(8, sync_bn=False)`: the same program, so the
+    # compilation cache (tests/conftest.py) can serve it instead of compiling it again.
+    model, variables, tx = _model(False), _initial_variables(0), _sgd()
     state = create_state(variables, tx, mesh)
     step = make_train_step(model, tx, mesh)
     # 2 images per device: at 16 px layer4's maps are 1x1, and BatchNorm needs two values.
@@ -116,8 +137,7 @@ def test_labels_outside_the_classes_make_the_loss_nan_where_torch_raises():
         assert np.isnan(got[1]) and np.allclose(got[[0, 2, 3]], want[[0, 2, 3]], rtol=1e-6), (bad, got)
 
     mesh = make_mesh(jax.devices("cpu")[:2])
-    model = build("resnet18", num_classes=10)
-    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    model, variables = _model(False), _initial_variables(0)
     tx = optim.sgd(0.1)
     x, y = np.zeros((4, 16, 16, 3), np.float32), np.array([0, -1, 3, 9], np.int32)
     state = create_state(variables, tx, mesh)
@@ -133,8 +153,7 @@ def test_a_state_the_step_has_consumed_is_refused():
     """jaxlib crashed the process (SIGSEGV) when a donated state sharded over 2+ CPU devices
     was passed to the step again: a plain mistake in a user's loop."""
     mesh = make_mesh(jax.devices("cpu")[:2])
-    model = build("resnet18", num_classes=10)
-    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    model, variables = _model(False), _initial_variables(0)
     tx = optim.sgd(0.1)
     batch = shard_batch(mesh, np.zeros((4, 16, 16, 3), np.float32), np.zeros(4, np.int32))
     step = make_train_step(model, tx, mesh)
@@ -161,8 +180,7 @@ def test_the_step_builders_name_what_is_wrong_with_their_arguments():
     from jaxport import models
     from jaxport.train import make_eval_step
 
-    model = build("resnet18", num_classes=10)
-    variables = model.init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32))
+    model, variables = _model(False), _initial_variables(0)
     tx = optim.sgd(0.1)
     other = Mesh(np.asarray(jax.devices("cpu")[:2]), ("batch",))
     for call in (lambda: make_train_step(model, tx, other), lambda: make_eval_step(model, other),
