@@ -35,16 +35,20 @@ def _env(devices):
 
 @pytest.mark.slow
 def test_two_processes_equal_one_process(tmp_path):
+    import dataclasses
+
     import jax
 
-    from jaxport.train import TrainConfig, train
+    from jaxport._cli import build_parser
+    from jaxport.train import train
+    from jaxport.train._cli import config_from_args
 
-    # The one-process run of `ARGS` over 4 of this process's devices (no process of its own to
-    # start), at the matmul precision a `jaxport train` process has (conftest sets "highest").
+    # The one-process run of `ARGS` (parsed as `jaxport train` parses them, so the two runs
+    # cannot drift apart) over 4 of this process's devices, with no process of its own to
+    # start, at the matmul precision a `jaxport train` process has (conftest sets "highest").
+    args = build_parser().parse_args(["train", "--workdir", str(tmp_path / "one"), *ARGS])
     with jax.default_matmul_precision(None):
-        train(TrainConfig(workdir=str(tmp_path / "one"), arch="resnet18", image_size=16, batch_size=16, epochs=1,
-                          max_steps=1, checkpoint_every=1000, progress=False, sync_bn=True, devices=4),
-              log=lambda msg: None)
+        train(dataclasses.replace(config_from_args(args), devices=4), log=lambda msg: None)
 
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", "--workdir", str(tmp_path / "two"), *ARGS,
