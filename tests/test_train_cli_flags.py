@@ -45,6 +45,7 @@ def _parsed(*flags) -> TrainConfig:
     (["--image-size", "16.0"], "`--image-size` (=16.0) must be an integer >= 1; use --image-size 16"),
     (["--seed", "abc"], "`--seed` (='abc') must be an integer >= 0"),
     (["--workers", "1.5"], "`--workers` (=1.5) must be an integer >= 0; use --workers 1 or --workers 2"),
+    (["--ra-reps", "2.5"], "`--ra-reps` (=2.5) must be an integer >= 1; use --ra-reps 2 or --ra-reps 3"),
     (["--max-steps", "2.0"], "`--max-steps` (=2.0) must be an integer >= 1; use --max-steps 2"),
     (["--checkpoint-every", "x"], "`--checkpoint-every` (='x') must be an integer >= 1"),
     (["--keep-checkpoints", "3.5"], "`--keep-checkpoints` (=3.5) must be an integer >= 1; use --keep-checkpoints 3 "
@@ -305,6 +306,9 @@ def test_settings_that_change_the_training_must_agree_across_processes():
         assert given[flag] == _parsed(flag, value).__dict__[flag[2:].replace("-", "_")] != default[flag], flag
     # every process saves its part of each checkpoint: one without the EMA would save other items
     assert (default["--model-ema"], _flags(_parsed("--model-ema"))["--model-ema"]) == (False, True)
+    # another data order and epoch length on one process would hang its last steps or train other batches
+    assert (default["--ra-sampler"], _flags(_parsed("--ra-sampler"))["--ra-sampler"]) == (False, True)
+    assert (default["--ra-reps"], _flags(_parsed("--ra-reps", "4"))["--ra-reps"]) == (3, 4)
 
 
 def test_help_shows_every_flag_with_its_real_default(capsys):

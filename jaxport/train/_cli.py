@@ -22,7 +22,7 @@ _NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the o
 # The smallest value each integer flag takes, said in its type error (TrainConfig checks ranges).
 _MINIMUM = {"--epochs": 1, "--image-size": 1, "--seed": 0, "--checkpoint-every": 1, "--keep-checkpoints": 1,
             "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0, "--lr-step-size": 1,
-            "--lr-warmup-epochs": 0, "--model-ema-steps": 1}
+            "--lr-warmup-epochs": 0, "--model-ema-steps": 1, "--ra-reps": 1}
 
 
 def _integer(flag: str, expected: str = ""):
@@ -197,6 +197,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cutmix-alpha", type=_real("--cutmix-alpha", 1.0), default=d.cutmix_alpha, metavar="ALPHA",
                    help="CutMix each training batch, as torchvision's v2.CutMix(alpha=ALPHA); with --mixup-alpha too, "
                         "each step picks one of the two at random; 0 for none (default: %(default)s)")
+    p.add_argument("--ra-sampler", action="store_true",
+                   help="repeated augmentation, as torchvision's RASampler: each epoch trains on --ra-reps differently "
+                        "augmented copies of each image, as many images in all (copies included) as the training set "
+                        "holds, rounded down to a multiple of 256")
+    p.add_argument("--ra-reps", type=_integer("--ra-reps"), default=d.ra_reps, metavar="N",
+                   help="--ra-sampler's copies of each image (default: %(default)s)")
     p.add_argument("--init", default=None, metavar="PATH",
                    help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
                         "finds a checkpoint) (default: a fresh initialisation from --seed)")

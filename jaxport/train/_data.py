@@ -43,14 +43,46 @@ def epoch_order(seed: int, epoch: int, n: int) -> np.ndarray:
     return np.random.default_rng([seed, epoch, 0x5EED]).permutation(n)
 
 
-def example_seed(seed: int, epoch: int, index: int) -> int:
-    """The augmentation seed of one example in one epoch."""
-    return int(np.random.default_rng([seed, epoch, index, 0xA06]).integers(2**31 - 1))
+def example_seed(seed: int, epoch: int, index: int, copy: int = 0) -> int:
+    """The augmentation seed of one example in one epoch; `copy` > 0: of its `copy`-th repeat
+    under --ra-sampler (`ra_epoch_order`), each with an augmentation of its own."""
+    return int(np.random.default_rng([seed, epoch, index, 0xA06, *([copy] if copy else [])]).integers(2**31 - 1))
+
+
+def ra_epoch_images(n: int) -> int:
+    """The images (copies included) an epoch of --ra-sampler trains on out of `n` training images:
+    `n` rounded down to a multiple of 256, what torchvision's RASampler (references/classification,
+    from DeiT) yields over all its ranks together, whatever the number of copies."""
+    return n // 256 * 256
+
+
+def ra_epoch_order(seed: int, epoch: int, n: int, reps: int, batch: int) -> np.ndarray:
+    """--ra-sampler's training order of `epoch` (repeated augmentation), in global batches of `batch`.
+
+    torchvision's RASampler repeats each image of the epoch's permutation `reps` times in a row
+    and deals that list out to the W ranks in turn (rank r takes entries r, r + W, ...), each
+    rank keeping `ra_epoch_images(n) / W` of them. So the global batch of step i, every rank's
+    i-th batch together, holds entries [i * batch, (i + 1) * batch) of the repeated list, for any
+    W: here too, from `epoch_order`'s permutation. Within a batch, jaxport puts every first copy
+    before every second one, and so on (stably), so that a device's share holds distinct images
+    whenever the devices are at least as many as the copies, as torch's dealing does, and the
+    order stays one of the seed alone, not of the device count. The last partial batch is left
+    out, as every epoch of `jaxport train` leaves it.
+
+    Entry `copy * n + i` is copy `copy` of example `i`: a `Split` loads it with the augmentation
+    seed `example_seed(seed, epoch, i, copy)`.
+    """
+    copies = epoch_order(seed, epoch, n)[:, None] + n * np.arange(reps)[None, :]  # each image's copies in a row
+    steps = ra_epoch_images(n) // batch
+    batches = copies.reshape(-1)[:steps * batch].reshape(steps, batch)
+    by_copy = np.argsort(batches // n, axis=1, kind="stable")
+    return np.take_along_axis(batches, by_copy, axis=1).reshape(-1)
 
 
 @dataclasses.dataclass
 class Split:
-    """One split: `load(indices, epoch) -> (images NHWC float32, labels int32)`.
+    """One split: `load(indices, epoch) -> (images NHWC float32, labels int32)`. An index
+    `copy * num_examples + i` is example `i` augmented as its `copy`-th repeat (`ra_epoch_order`).
 
     `stream_fn(batches, epoch)`, if any, loads ahead (an ImageFolder's DataLoader workers);
     `close_fn()`, if any, ends what it keeps between streams (those workers).
@@ -205,12 +237,13 @@ def digits(image_size: int = 32, seed: int = 0, val_fraction: float = 0.2) -> Da
 
     def load_train(indices, epoch):
         out = np.empty((len(indices), image_size, image_size, 3), np.float32)
-        for j, i in enumerate(indices):
-            dy, dx = np.random.default_rng(example_seed(seed, epoch, int(i))).integers(-pad, pad + 1, 2)
+        copies, indices = np.divmod(np.asarray(indices, int), len(tr_y))
+        for j, (i, copy) in enumerate(zip(indices.tolist(), copies.tolist())):
+            dy, dx = np.random.default_rng(example_seed(seed, epoch, i, copy)).integers(-pad, pad + 1, 2)
             canvas = np.broadcast_to(fill, (image_size + 2 * pad, image_size + 2 * pad, 3)).copy()
             canvas[pad:pad + image_size, pad:pad + image_size] = tr_x[i]
             out[j] = canvas[pad + dy:pad + dy + image_size, pad + dx:pad + dx + image_size]
-        return out, tr_y[np.asarray(indices, int)]
+        return out, tr_y[indices]
 
     def load_val(indices, epoch):
         idx = np.asarray(indices, int)
@@ -464,6 +497,7 @@ class _Folder:
         from PIL import Image
 
         epoch, index = key
+        copy, index = divmod(index, len(self.samples))  # a --ra-sampler repeat (`ra_epoch_order`)
         path, label = self.samples[index]
         try:
             with Image.open(path) as im:
@@ -475,7 +509,7 @@ class _Folder:
             return _Undecodable(path, f"{type(e).__name__}: {first[:200]}", gone), label
         # torchvision's random transforms draw from torch's global RNG: seeding it per example
         # (inside the worker) makes the crop a function of (seed, epoch, index) alone.
-        torch.manual_seed(example_seed(self.seed, epoch, index))
+        torch.manual_seed(example_seed(self.seed, epoch, index, copy))
         return self.transform(img).permute(1, 2, 0).numpy(), label
 
 

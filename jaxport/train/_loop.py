@@ -111,6 +111,11 @@ class TrainConfig:
     ra_magnitude: int = 9
     augmix_severity: int = 3
     random_erase: float = 0.0  # RandomErasing's p, after Normalize
+    # torchvision's --ra-sampler, --ra-reps (repeated augmentation, its ResNet-50 recipe of 2021):
+    # each epoch trains on `ra_reps` differently augmented copies of each image, N // 256 * 256
+    # images in all (`_data.ra_epoch_order`).
+    ra_sampler: bool = False
+    ra_reps: int = 3
     checkpoint_every: int = 500  # steps; also at each epoch end
     keep_checkpoints: int = 3
     # --data's loader processes (None: up to 4). They are spawned and run the calling script again
@@ -150,7 +155,7 @@ def _validate(cfg: TrainConfig) -> None:
     one_of("--arch", cfg.arch, list(ARCHS))
     # The library takes any Python value: a float, bool or string in an integer setting failed deep
     # in numpy or jax (or ran with 1.5 or True), naming none of the settings.
-    for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices"):
+    for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "ra_reps"):
         value = getattr(cfg, name)
         flag = name if name == "devices" else "--" + name.replace("_", "-")  # `devices`: library only
         if value is not None and not is_int(value):
@@ -182,7 +187,7 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.memory_limit_bytes is not None and not (is_int(cfg.memory_limit_bytes) and cfg.memory_limit_bytes >= 1):
         raise ConfigError(f"`memory_limit_bytes` (={cfg.memory_limit_bytes!r}) must be a number of bytes >= 1 "
                           "(e.g. 8 << 30 for 8 GiB), or None for the device's memory")
-    for name in ("sync_bn", "trusted", "resume", "model_ema"):
+    for name in ("sync_bn", "trusted", "resume", "model_ema", "ra_sampler"):
         if not isinstance(getattr(cfg, name), (bool, np.bool_)):
             raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)!r}) must be True or False")
     if cfg.data is not None and not os.path.isdir(cfg.data):
@@ -368,7 +373,7 @@ def _flags(cfg: TrainConfig) -> dict:
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
               "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
               "seed", "sync_bn", "bn_stats", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume", "dtype",
-              "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
+              "ra_sampler", "ra_reps", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
@@ -473,6 +478,24 @@ def _check_resumable(saved: dict, meta: dict, workdir: str) -> None:
             flag = "--" + key.replace("_", "-")
             raise ConfigError(f"--resume: `{flag}` (={meta[key]}) differs from the checkpoint's ({saved.get(key)}) "
                               f"in {workdir}; use {flag} {saved.get(key)} to continue that run")
+    was, now = saved.get("ra_reps", 0), meta["ra_reps"]  # (0: none, as in checkpoints written before the flag)
+    if was != now:
+        def said(reps: int) -> str:
+            return f"--ra-sampler --ra-reps {reps}" if reps else "no --ra-sampler"
+
+        raise ConfigError(f"--resume: this run asks for {said(now)}, but the checkpoint's run in {workdir} trained with "
+                          f"{said(was)}, which fixes its epochs' length and data order; resume with {said(was)}, or "
+                          f"start a new --workdir (--init {shell_word(workdir)} starts it from these weights)")
+
+
+def _ra_reps(cfg: TrainConfig) -> int:
+    """The copies of each image an epoch trains on under --ra-sampler; 0 without it."""
+    return cfg.ra_reps if cfg.ra_sampler else 0
+
+
+def _epoch_images(cfg: TrainConfig, n: int) -> int:
+    """The images an epoch trains on (before its last partial batch is left out), of `n`."""
+    return _data.ra_epoch_images(n) if cfg.ra_sampler else n
 
 
 def _replaced_in_place(was: dict, now: dict) -> bool:
@@ -506,7 +529,7 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
     (`_check_resumable`) and `jaxport export` to read (the arch). `files`: `Data.fingerprint()`'s
     digests."""
     return {"arch": cfg.arch, "num_classes": data.num_classes, "classes": data.classes, "seed": cfg.seed,
-            "image_size": cfg.image_size,
+            "image_size": cfg.image_size, "ra_reps": _ra_reps(cfg),
             "data": {"train": data.train.num_examples, "val": data.val.num_examples, **files}}
 
 
@@ -913,6 +936,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     if cfg.workers is not None and cfg.data is None:
         say(f"--workers {cfg.workers} is not used (the embedded digits are held in memory; it sets --data's "
             "loader processes)")
+    if cfg.ra_reps != TrainConfig.ra_reps and not cfg.ra_sampler:
+        say(f"--ra-reps {cfg.ra_reps} is not used (it sets --ra-sampler's copies of each image, and there is no "
+            "--ra-sampler)")
     if cfg.trusted and cfg.init is None:
         say("--trusted is not used (it allows a full unpickle of --init, and there is none)")
     if cfg.bn_stats != "mean" and cfg.sync_bn:
@@ -961,15 +987,15 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         steps_per_epoch = 1  # provisional: the schedule's shape does not change memory
     else:
         check_batch_size(cfg.batch_size, n_dev, "--batch-size")
-        steps_per_epoch = data.train.num_examples // cfg.batch_size
+        steps_per_epoch = _epoch_images(cfg, data.train.num_examples) // cfg.batch_size
     tx_for = lambda spe: _recipe.optimizer(cfg, spe)  # noqa: E731
     if cfg.batch_size == "auto":
-        _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
+        _check_auto_batch_fits_data(cfg, _epoch_images(cfg, data.train.num_examples), n_dev)
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
         limit = _memory_for_steps(cfg, variables, say)
-        cap = data.train.num_examples // n_dev
+        cap = _epoch_images(cfg, data.train.num_examples) // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
                                                  max_per_device=min(256, cap), log=say,
                                                  min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev))
@@ -979,13 +1005,18 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             log(f"process {jax.process_index()}: --batch-size auto: {agreed} per device, the most every process fits")
             per_device_batch = agreed
         batch = per_device_batch * n_dev
-        steps_per_epoch = data.train.num_examples // batch
+        steps_per_epoch = _epoch_images(cfg, data.train.num_examples) // batch
     else:
         batch = cfg.batch_size
     if steps_per_epoch < 1:
-        n = data.train.num_examples
+        n = _epoch_images(cfg, data.train.num_examples)
         fix = (f"use at most {n // n_dev * n_dev} (a multiple of the {n_dev} devices)" if n >= n_dev else
                f"a step needs at least one image per device ({n_dev}): add training images")
+        if cfg.ra_sampler:
+            raise ConfigError(f"`--ra-sampler` trains an epoch on the training images rounded down to a multiple of "
+                              f"256 (torchvision's RASampler): {n} of the {data.train.num_examples} here, "
+                              + (f"fewer than `--batch-size` (={batch}); {fix}" if n else
+                                 "so no step; add training images, or leave out --ra-sampler"))
         raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
     _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev,
                               None if resumed_step is None else _recorded_devices(resumed_meta))
@@ -1118,7 +1149,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             bn += " (running statistics: device 0's)"
         say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
             f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
-            f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm {bn}")
+            f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm {bn}"
+            + (f"; --ra-sampler: {cfg.ra_reps} copies of each image, {_epoch_images(cfg, data.train.num_examples)} "
+               "images an epoch" if cfg.ra_sampler else ""))
         if start >= last_step:
             say(f"nothing to train: the latest checkpoint is at step {start} and the run ends at step {last_step} "
                 "(raise --epochs or --max-steps to train further)")
@@ -1133,7 +1166,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             while gstep < last_step:
                 epoch, offset = divmod(gstep, steps_per_epoch)
                 stop = min(steps_per_epoch, last_step - epoch * steps_per_epoch)
-                order = _data.epoch_order(cfg.seed, epoch, data.train.num_examples)
+                order = (_data.ra_epoch_order(cfg.seed, epoch, data.train.num_examples, cfg.ra_reps, batch)
+                         if cfg.ra_sampler else _data.epoch_order(cfg.seed, epoch, data.train.num_examples))
                 sums = np.array(meta["epoch_sums"] if offset else [0.0, 0.0, 0.0])
                 pending = []
                 bar = None
