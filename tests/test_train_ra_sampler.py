@@ -17,7 +17,7 @@ from PIL import Image
 
 from jaxport._errors import ConfigError
 from jaxport.train import TrainConfig, train
-from jaxport.train import _data, _loop
+from jaxport.train import _data
 
 
 def _torch_rank_lists(permutation: np.ndarray, reps: int, world: int) -> list[np.ndarray]:
