@@ -203,6 +203,10 @@ def add_parser(subparsers) -> None:
                         "holds, rounded down to a multiple of 256")
     p.add_argument("--ra-reps", type=_integer("--ra-reps"), default=d.ra_reps, metavar="N",
                    help="--ra-sampler's copies of each image (default: %(default)s)")
+    p.add_argument("--test-only", action="store_true",
+                   help="evaluate existing weights on the held-out split and exit, as torchvision's --test-only: "
+                        "--init's, or with --resume the latest checkpoint in --workdir (its EMA with --model-ema); "
+                        "nothing is trained or written")
     p.add_argument("--init", default=None, metavar="PATH",
                    help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
                         "finds a checkpoint) (default: a fresh initialisation from --seed)")
@@ -290,6 +294,8 @@ def _stdout_to_stderr():
 
 def summary(result: dict, workdir: str, epochs: int) -> str:
     """The last line of a run: what `train` returned, said truthfully."""
+    if "test_only" in result:
+        return f"val accuracy {result['val_acc']:.4f}, val loss {result['val_loss']:.4f} ({result['test_only']})"
     step = int(result["state"].step)
     if not result["steps_run"] and "val_acc" not in result:  # (a resumed epoch evaluated, trained before: below)
         return f"nothing to train: already at step {step}, checkpoints in {workdir}"

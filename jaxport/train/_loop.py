@@ -116,6 +116,10 @@ class TrainConfig:
     # images in all (`_data.ra_epoch_order`).
     ra_sampler: bool = False
     ra_reps: int = 3
+    # torchvision's --test-only: evaluate existing weights on the held-out split, train nothing and
+    # write nothing (`_test_only`): `init`'s, or with `resume` the workdir's latest checkpoint's
+    # (its EMA with `model_ema`, as torchvision evaluates model_ema then).
+    test_only: bool = False
     checkpoint_every: int = 500  # steps; also at each epoch end
     keep_checkpoints: int = 3
     # --data's loader processes (None: up to 4). They are spawned and run the calling script again
@@ -151,7 +155,8 @@ def _validate(cfg: TrainConfig) -> None:
     if blocking is not None:
         where = "is a file" if blocking == cfg.workdir else f"is inside '{blocking}', which is a file"
         raise ConfigError(f"`--workdir` (={cfg.workdir}) {where}, not a directory; pass a new or existing directory")
-    _check_workdir(cfg)
+    if not cfg.test_only:  # (which writes nothing there)
+        _check_workdir(cfg)
     one_of("--arch", cfg.arch, list(ARCHS))
     # The library takes any Python value: a float, bool or string in an integer setting failed deep
     # in numpy or jax (or ran with 1.5 or True), naming none of the settings.
@@ -187,9 +192,15 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.memory_limit_bytes is not None and not (is_int(cfg.memory_limit_bytes) and cfg.memory_limit_bytes >= 1):
         raise ConfigError(f"`memory_limit_bytes` (={cfg.memory_limit_bytes!r}) must be a number of bytes >= 1 "
                           "(e.g. 8 << 30 for 8 GiB), or None for the device's memory")
-    for name in ("sync_bn", "trusted", "resume", "model_ema", "ra_sampler"):
+    for name in ("sync_bn", "trusted", "resume", "model_ema", "ra_sampler", "test_only"):
         if not isinstance(getattr(cfg, name), (bool, np.bool_)):
             raise ConfigError(f"`--{name.replace('_', '-')}` (={getattr(cfg, name)!r}) must be True or False")
+    if cfg.test_only and not (cfg.init or cfg.resume):
+        raise ConfigError("`--test-only` evaluates existing weights: give --init CHECKPOINT (a torch checkpoint, "
+                          "ported variables or a workdir) or --resume (the latest checkpoint in --workdir)")
+    if cfg.test_only and cfg.batch_size == "auto":
+        raise ConfigError("`--batch-size` (=auto) measures a training step; --test-only evaluates only: give a "
+                          "number, e.g. 64 (the default)")
     if cfg.data is not None and not os.path.isdir(cfg.data):
         raise ConfigError(f"`--data` (={cfg.data}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder per class) or leave --data out to train on the embedded digits")
@@ -373,7 +384,7 @@ def _flags(cfg: TrainConfig) -> dict:
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
               "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
               "seed", "sync_bn", "bn_stats", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume", "dtype",
-              "ra_sampler", "ra_reps", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
+              "ra_sampler", "ra_reps", "test_only", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
@@ -589,6 +600,45 @@ def _programs(model, mesh, recipe: tuple, steps_per_epoch: int, options: tuple, 
 def _jitted_init(model) -> Callable:
     """`jax.jit(model.init)`, once per model (see `_programs`)."""
     return jax.jit(model.init)
+
+
+def _test_only(cfg: TrainConfig, data: _data.Data, say: Callable[[str], None]) -> dict:
+    """torchvision's `--test-only`: the held-out loss and accuracy of existing weights, which must
+    be `cfg.arch` with a classifier of the data's classes (one re-initialised would be evaluated
+    at chance). Nothing is trained, and nothing is written to the workdir.
+
+    Returns `{"val_loss", "val_acc", "test_only": <what was evaluated>}`."""
+    mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
+    check_batch_size(cfg.batch_size, mesh.devices.size, "--batch-size")
+    model = build(cfg.arch, num_classes=data.num_classes, dtype=jnp.bfloat16 if cfg.dtype == "bfloat16" else None)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
+    if cfg.resume:
+        variables, arch, step = _checkpoint.read_latest(cfg.workdir, ema=cfg.model_ema)
+        what = f"{'the --model-ema average of ' if cfg.model_ema else ''}checkpoint step {step} in {cfg.workdir}"
+        if cfg.init:
+            say(f"--init {cfg.init} is not used (--test-only --resume evaluates the checkpoint in {cfg.workdir})")
+        meta = _checkpoint.peek_meta(cfg.workdir, step) or {}
+        if arch not in (None, cfg.arch):
+            raise ConfigError(f"--test-only --resume: {what} is a {arch}, not `--arch` {cfg.arch}; use --arch {arch}")
+        classes = meta.get("classes")
+        if classes is not None and list(classes) != data.classes:
+            raise ConfigError(f"--test-only --resume: {what} was trained on the classes {_names(classes)}, and --data "
+                              f"has {_names(data.classes)}: its outputs would mean other labels; evaluate it on its "
+                              "own --data")
+    else:
+        variables = load_init(cfg.init, cfg.arch, cfg.trusted)
+        what = f"--init {cfg.init}"
+    head = np.shape(variables.get("params", {}).get("fc", {}).get("kernel", ()))
+    if head[1:] != (data.num_classes,):
+        has = f"a classifier of {head[1]} classes" if len(head) == 2 else "no classifier (a backbone)"
+        raise ConfigError(f"--test-only: {what} has {has}, and --data has {data.num_classes} classes; it evaluates "
+                          "weights as they are: give weights trained on these classes, or train (without "
+                          "--test-only) to fit a new classifier")
+    variables = fit_head(variables, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), lambda m: None, cfg.arch)
+    row = _evaluate(make_eval_step(model, mesh), replicate(variables, mesh), data.val, cfg.batch_size, mesh)
+    say(f"--test-only: {what} on {data.val.num_examples} held-out images of {data.num_classes} classes: val loss "
+        f"{row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+    return row | {"test_only": what}
 
 
 def _memory_for_steps(cfg: TrainConfig, variables, log: Callable[[str], None]) -> int:
@@ -950,6 +1000,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     data = (_data.digits(cfg.image_size, cfg.seed) if cfg.data is None
             else _data.image_folder(cfg.data, cfg.image_size, cfg.seed, workers=cfg.workers,
                                     transforms=_presets.transforms(cfg, _data.MEAN.tolist(), _data.STD.tolist())))
+    if cfg.test_only:
+        try:
+            return _test_only(cfg, data, say)
+        finally:
+            data.close()
     # What --resume and other processes compare.
     files = data.fingerprint() if data.fingerprint else {"files": "digits", "names": "digits"}
     # A run that resumes takes every weight from its checkpoint: --init would be read (slowly,
