@@ -96,8 +96,8 @@ ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, r
                           "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
     (["--bn-stats", "frist"], "`--bn-stats` (='frist') must be one of mean, first; did you mean --bn-stats first?"),
     (["--bn-stats", "avg"], "`--bn-stats` (='avg') must be one of mean, first"),
-    (["--opt", "adam"], "`--opt` (='adam') must be one of sgd, sgd-nesterov, adamw; did you mean --opt adamw?"),
-    (["--opt", "nesterov"], "`--opt` (='nesterov') must be one of sgd, sgd-nesterov, adamw; did you mean --opt "
+    (["--opt", "adam"], "`--opt` (='adam') must be one of sgd, sgd-nesterov, adamw, rmsprop; did you mean --opt adamw?"),
+    (["--opt", "nesterov"], "`--opt` (='nesterov') must be one of sgd, sgd-nesterov, adamw, rmsprop; did you mean --opt "
                             "sgd-nesterov?"),
     (["--lr-scheduler", "cosine"], "`--lr-scheduler` (='cosine') must be one of cosineannealinglr, steplr, "
                                    "exponentiallr; did you mean --lr-scheduler cosineannealinglr?"),
@@ -152,9 +152,8 @@ def test_a_missing_workdir_is_one_line(capsys):
     *[(["--label-smoothing", v], f"`--label-smoothing` (={v}) must be a number from 0 to 1, as torch's "
                                  "CrossEntropyLoss takes: the weight of the uniform target, e.g. 0.1; 0 for plain "
                                  "cross-entropy") for v in ("1.5", "-0.1", "nan")],
-    # torchvision's train.py takes RMSprop; jaxport does not reproduce it
-    (["--opt", "RMSprop"], "`--opt` (='RMSprop') is not supported: jaxport reproduces torch's SGD and AdamW; use --opt "
-                           "sgd, sgd-nesterov or adamw"),
+    # torchvision's train.py takes these four only
+    (["--opt", "lamb"], "`--opt` (='lamb') must be one of sgd, sgd-nesterov, adamw, rmsprop"),
     (["--opt", "sgd-nesterov", "--momentum", "0"], "`--opt` (=sgd-nesterov) needs `--momentum` > 0 (it is 0.0): "
                                                    "nesterov momentum without momentum, which torch refuses; use --opt "
                                                    "sgd, or a --momentum such as 0.9"),
@@ -333,3 +332,18 @@ def test_help_shows_every_flag_with_its_real_default(capsys):
     assert "None" not in text
     assert f"(default: {defaults.epochs})" in text and "(default: 32)" in text and "(default: 0.9)" in text
     assert "(default: 0.0005)" in text and "(default: 0)" in text and "(default: 3)" in text
+
+
+def test_the_readmes_torchvision_resnet50_recipe_parses_whole():
+    """The README's `jaxport train` line for torchvision's ResNet-50 recipe takes every one of the
+    recipe's flags: each parses, and each reaches the run's settings."""
+    import os
+    import shlex
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    command = re.search(r"\$ (jaxport train --data /data/imagenet --arch resnet50 .*?)\n```", readme, re.S)[1]
+    argv = shlex.split(command.replace("\\\n", " "))[1:]
+    cfg = config_from_args(build_parser().parse_args(argv))
+    assert (cfg.opt, cfg.ra_sampler, cfg.ra_reps, cfg.model_ema, cfg.auto_augment) == ("sgd", True, 4, True, "ta_wide")
+    assert (cfg.train_crop_size or cfg.image_size, cfg.val_resize_size, cfg.mixup_alpha, cfg.cutmix_alpha) == (
+        176, 232, 0.2, 1.0)

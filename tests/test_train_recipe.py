@@ -229,6 +229,9 @@ def _torch_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Op
     if opt_name.startswith("sgd"):
         return torch.optim.SGD(parameters, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                                nesterov="nesterov" in opt_name)
+    if opt_name == "rmsprop":
+        return torch.optim.RMSprop(parameters, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                                   eps=0.0316, alpha=0.9)
     assert opt_name == "adamw"
     return torch.optim.AdamW(parameters, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
@@ -239,6 +242,8 @@ def _torch_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Op
     dict(opt="sgd", lr=0.1, weight_decay=1e-2, norm_weight_decay=1e-3),
     dict(opt="sgd", lr=0.1, weight_decay=1e-2, norm_weight_decay=1e-3, bias_weight_decay=0.0),
     dict(opt="adamw", lr=0.01, weight_decay=0.05, bias_weight_decay=0.2),
+    dict(opt="RMSprop", lr=0.01, momentum=0.9, weight_decay=1e-2, norm_weight_decay=0.0, clip_grad_norm=0.5),
+    dict(opt="rmsprop", lr=0.01, momentum=0.0, weight_decay=1e-2, bias_weight_decay=1e-3),
 ])
 def test_optimizer_steps_are_torchs_with_param_groups_and_clipping(x64, recipe):
     """Three steps (one per epoch: a linear warm-up, then a StepLR) in float64: the weights
@@ -287,7 +292,7 @@ def test_optimizer_steps_are_torchs_with_param_groups_and_clipping(x64, recipe):
 def test_clipping_keeps_the_optimizer_state_as_it_is():
     """Clipping keeps no state, so a resumed run can turn it on or off (after a divergence)."""
     params = {"bn1": {"scale": jnp.ones(3), "bias": jnp.zeros(3)}, "fc": {"kernel": jnp.ones((3, 2))}}
-    for recipe in (dict(), dict(opt="adamw"), dict(norm_weight_decay=0.0), dict(bias_weight_decay=0.0)):
+    for recipe in (dict(), dict(opt="adamw"), dict(opt="rmsprop"), dict(norm_weight_decay=0.0), dict(bias_weight_decay=0.0)):
         plain = _recipe.optimizer(_cfg(**recipe), 5).init(params)
         clipped = _recipe.optimizer(_cfg(clip_grad_norm=1.0, **recipe), 5).init(params)
         assert jax.tree.structure(plain) == jax.tree.structure(clipped)
@@ -333,9 +338,15 @@ def test_a_checkpoint_from_before_the_recipe_resumes_silently():
 
 @pytest.mark.parametrize("saved, now, message", [
     (SGD, NOW | {"opt": "adamw"}, "--resume: `--opt` (=adamw) cannot continue the run in w, trained with --opt sgd: "
-                                  "SGD and AdamW keep different optimizer states (a momentum buffer; two moment "
-                                  "estimates), so the checkpoint cannot be restored; resume with --opt sgd, or start a "
-                                  "new --workdir (--init w starts it from these weights)"),
+                                  "SGD, AdamW and RMSprop keep different optimizer states (a momentum buffer; two "
+                                  "moment estimates; a squared-gradient average), so the checkpoint cannot be "
+                                  "restored; resume with --opt sgd, or start a new --workdir (--init w starts it from "
+                                  "these weights)"),
+    (SGD, NOW | {"opt": "rmsprop"}, "--resume: `--opt` (=rmsprop) cannot continue the run in w, trained with --opt "
+                                    "sgd: SGD, AdamW and RMSprop keep different optimizer states"),
+    (NOW | {"opt": "rmsprop"}, NOW | {"opt": "rmsprop", "momentum": 0.0}, "--resume: `--momentum` (=0.0) cannot "
+                                                                         "continue the run in w, trained with "
+                                                                         "--momentum 0.9: changing it to or from 0"),
     (SGD, NOW | {"norm_weight_decay": 0.0}, "--resume: `--norm-weight-decay` (=0.0) cannot continue the run in w, "
                                             "trained without it: a --norm-weight-decay keeps the BatchNorm "
                                             "parameters' optimizer state apart from the others' (torch's param "

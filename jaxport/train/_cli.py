@@ -87,7 +87,7 @@ def add_parser(subparsers) -> None:
     """Register the `train` subcommand on an argparse subparsers object."""
     d = TrainConfig(workdir="")
     p = subparsers.add_parser(
-        "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD or AdamW)",
+        "train", help="train a ResNet data-parallel over every device (torch-equivalent SGD, AdamW or RMSprop)",
         description="Train data-parallel over all devices. With no --data, trains on the handwritten digits "
                     "scikit-learn ships (upsampled to RGB); ResNet-18 reaches >= 95% held-out accuracy. The "
                     "optimizer flags are torchvision's references/classification/train.py's, with their meanings.")
@@ -132,13 +132,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--lr", type=_real("--lr", d.lr), default=d.lr,
                    help="peak learning rate, after the warm-up, scheduled per epoch by --lr-scheduler "
                         "(default: %(default)s)")
-    p.add_argument("--opt", default=d.opt, metavar="{sgd,sgd-nesterov,adamw}",  # checked by TrainConfig
-                   help="optimizer, torch's SGD, SGD with nesterov momentum, or AdamW (as torchvision: any case, and "
-                        "any name starting with sgd is SGD, nesterov if it contains nesterov) (default: %(default)s)")
+    p.add_argument("--opt", default=d.opt, metavar="{sgd,sgd-nesterov,adamw,rmsprop}",  # checked by TrainConfig
+                   help="optimizer, torch's SGD, SGD with nesterov momentum, AdamW, or RMSprop with torchvision's "
+                        "eps=0.0316, alpha=0.9 (as torchvision: any case, and any name starting with sgd is SGD, "
+                        "nesterov if it contains nesterov) (default: %(default)s)")
     p.add_argument("--momentum", type=_real("--momentum", d.momentum), default=d.momentum,
-                   help="SGD momentum (AdamW has none) (default: %(default)s)")
+                   help="SGD's and RMSprop's momentum (AdamW has none) (default: %(default)s)")
     p.add_argument("--weight-decay", "--wd", type=_real("--weight-decay", d.weight_decay), default=d.weight_decay,
-                   help="weight decay: SGD's L2, AdamW's decoupled decay, as torch's (default: %(default)s)")
+                   help="weight decay: SGD's and RMSprop's L2, AdamW's decoupled decay, as torch's (default: "
+                        "%(default)s)")
     p.add_argument("--norm-weight-decay", type=_real("--norm-weight-decay", 0.0), default=d.norm_weight_decay,
                    metavar="WD", help="weight decay of the BatchNorm layers' parameters, which then form their own "
                                       "param group, as torchvision's (default: --weight-decay's)")

@@ -67,10 +67,10 @@ class TrainConfig:
     batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
     image_size: int = 32
     lr: float = 0.05
-    momentum: float = 0.9  # SGD's (AdamW has none)
+    momentum: float = 0.9  # SGD's and RMSprop's (AdamW has none)
     weight_decay: float = 5e-4
     # torchvision's recipe: "sgd", "sgd-nesterov" (any name starting with sgd, with nesterov in it)
-    # or "adamw", in any case
+    # "adamw" or "rmsprop", in any case
     opt: str = "sgd"
     norm_weight_decay: float | None = None  # the BatchNorm parameters' weight decay; None: weight_decay
     bias_weight_decay: float | None = None  # every bias's (the BatchNorms' too); None: as the others
@@ -682,8 +682,8 @@ def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
         flag, old, new = "--" + key.replace("_", "-"), saved[key], now[key]
         if key == "opt":
             raise ConfigError(f"--resume: `--opt` (={new}) cannot continue the run in {workdir}, trained with --opt "
-                              f"{old}: SGD and AdamW keep different optimizer states (a momentum buffer; two moment "
-                              f"estimates), so the checkpoint cannot be restored; resume with --opt {old}, or start a "
+                              f"{old}: SGD, AdamW and RMSprop keep different optimizer states (a momentum "
+                              f"buffer; two moment estimates; a squared-gradient average), so the checkpoint cannot be restored; resume with --opt {old}, or start a "
                               f"new --workdir (--init {shell_word(workdir)} starts it from these weights)")
         if key in ("norm_weight_decay", "bias_weight_decay") and (old is None) != (new is None):
             trained = "without it" if old is None else f"with {flag} {old}"

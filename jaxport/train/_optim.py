@@ -9,6 +9,8 @@ Update equations (torch.optim, `maximize=False`, one param group):
   (1 - dampening) * g`; `g = g + momentum * buf` if nesterov else `buf`; `p -= lr * g`.
 * AdamW: `p *= 1 - lr * wd`; `m = b1 m + (1 - b1) g`; `v = b2 v + (1 - b2) g^2`;
   `p -= lr * (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)`.
+* RMSprop: `g = grad + wd * p`; `v = alpha v + (1 - alpha) g^2`; `buf = momentum buf + g /
+  (sqrt(v) + eps)`; `p -= lr * buf` (see `rmsprop`, also for `centered`).
 
 Schedules reproduce torch's `lr_scheduler` values exactly, including the recursive
 (multiplicative) formulas torch uses, by running the same recursion in Python floats once and
@@ -395,6 +397,62 @@ def adamw(
         _add_decayed_weights(weight_decay, decoupled=True),
         _scale_by_learning_rate(learning_rate, decoupled_weight_decay=weight_decay),
     ))
+
+
+def rmsprop(
+    learning_rate: ScalarOrSchedule = 1e-2,
+    alpha: float = 0.99,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    momentum: float = 0.0,
+    centered: bool = False,
+    *,
+    maximize: bool = False,
+) -> optax.GradientTransformation:
+    """`torch.optim.RMSprop` (torch's defaults) as an optax transformation.
+
+    torch's step: `g = grad + wd * p`; `v = alpha v + (1 - alpha) g^2`; with `centered`,
+    `m = alpha m + (1 - alpha) g` and `avg = sqrt(v - m^2)`, else `avg = sqrt(v)`; then
+    `avg + eps` divides: with momentum `buf = momentum buf + g / (avg + eps)` and `p -= lr buf`,
+    else `p -= lr g / (avg + eps)`. That is optax's own chain: `add_decayed_weights`,
+    `scale_by_rms` (`scale_by_stddev` when centered) with `eps_in_sqrt=False` (torch adds eps
+    after the square root) and `initial_scale=0` (torch's averages start at zero), `trace` (its
+    buffer starts at zero, so the first is `g / (avg + eps)`, as torch's), the learning rate.
+    torchvision's recipe (`--opt rmsprop`) uses `alpha=0.9, eps=0.0316`. Weight decay applies to
+    every parameter; `maximize=True` ascends (torch negates the gradient first). Param groups,
+    frozen layers and `optax.inject_hyperparams`: as for `sgd`.
+
+    Raises:
+      ConfigError: what torch refuses (a negative learning rate, alpha, eps, weight decay or
+        momentum); at `init`, a non-floating parameter, or a low-precision (bfloat16, float16)
+        one, whose torch rounding this does not reproduce (keep float32 parameters: `jaxport
+        train --dtype bfloat16` keeps float32 masters); float0 gradients, as for `sgd`.
+
+    Example:
+      >>> tx = rmsprop(0.01, alpha=0.9, eps=0.0316, momentum=0.9, weight_decay=1e-5)
+    """
+    _check_non_negative(learning_rate=learning_rate, alpha=alpha, eps=eps, weight_decay=weight_decay,
+                        momentum=momentum)
+    parts = [optax.scale(-1.0)] if maximize else []  # torch negates the gradient first
+    if weight_decay or _is_array(weight_decay):
+        parts.append(optax.add_decayed_weights(weight_decay))
+    scale = optax.scale_by_stddev if centered else optax.scale_by_rms
+    parts.append(scale(decay=alpha, eps=eps, initial_scale=0.0, eps_in_sqrt=False))
+    if momentum or _is_array(momentum):
+        parts.append(optax.trace(decay=momentum))
+    parts.append(optax.scale_by_learning_rate(learning_rate))
+    tx = _floating_only(optax.chain(*parts))
+
+    def init(params):
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if _low_precision(jnp.zeros((), jnp.result_type(leaf))):
+                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: rmsprop "
+                                  "reproduces torch.optim.RMSprop for float32 and float64 parameters, not torch's "
+                                  "rounding in low precision; keep float32 parameters (compute in bfloat16 with "
+                                  "float32 masters, as jaxport train --dtype bfloat16 does)")
+        return tx.init(params)
+
+    return optax.GradientTransformationExtraArgs(init, tx.update)
 
 
 # ---------------------------------------------------------------------------------------------

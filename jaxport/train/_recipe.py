@@ -8,6 +8,7 @@ script builds (stepping the scheduler once after each epoch, and clipping before
            # groups "other", "norm" (the normalization layers' parameters), "bias" (every parameter
            # named bias, the BatchNorms' too: the key wins over the norm group)
     opt = SGD(params, lr, momentum, weight_decay, nesterov="nesterov" in name) | AdamW(params, lr, weight_decay)
+          | RMSprop(params, lr, momentum=momentum, weight_decay=weight_decay, eps=0.0316, alpha=0.9)
     main = CosineAnnealingLR(T_max=epochs - warmup_epochs, eta_min=lr_min) | StepLR(lr_step_size, lr_gamma)
            | ExponentialLR(lr_gamma)
     sched = SequentialLR([LinearLR(start_factor=lr_warmup_decay, total_iters=warmup_epochs)  # or ConstantLR(factor=)
@@ -28,9 +29,11 @@ import optax
 from .._args import is_finite, is_int, one_of, shown
 from .._errors import ConfigError
 from ._optim import (Schedule, _cosine, adamw, clip_grad_norm, constant_lr, exponential_lr, linear_warmup, per_epoch,
-                     sgd, step_lr)
+                     rmsprop, sgd, step_lr)
 
-OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw")
+OPTIMIZERS = ("sgd", "sgd-nesterov", "adamw", "rmsprop")
+# torchvision's train.py: RMSprop(parameters, lr, momentum, weight_decay, eps=0.0316, alpha=0.9)
+RMSPROP_EPS, RMSPROP_ALPHA = 0.0316, 0.9
 SCHEDULERS = ("cosineannealinglr", "steplr", "exponentiallr")
 WARMUP_METHODS = ("linear", "constant")
 # What the schedulers are called elsewhere (optax, the torch docs' prose), for the suggestion.
@@ -65,7 +68,8 @@ class Recipe(Protocol):
 
 def optimizer_name(opt: str) -> str:
     """`--opt` as torchvision reads it, by its name here: any name starting with "sgd" (in any
-    case) is SGD, with nesterov momentum if it contains "nesterov" ("sgd-nesterov"); "adamw"."""
+    case) is SGD, with nesterov momentum if it contains "nesterov" ("sgd-nesterov"); "adamw",
+    "rmsprop"."""
     name = opt.lower()
     if name.startswith("sgd"):
         return "sgd-nesterov" if "nesterov" in name else "sgd"
@@ -87,9 +91,6 @@ def check(r: Recipe) -> None:
     Raises:
       ConfigError: the first bad setting.
     """
-    if isinstance(r.opt, str) and r.opt.lower() == "rmsprop":
-        raise ConfigError(f"`--opt` (={r.opt!r}) is not supported: jaxport reproduces torch's SGD and AdamW; use --opt "
-                          "sgd, sgd-nesterov or adamw")
     if not (isinstance(r.opt, str) and optimizer_name(r.opt) in OPTIMIZERS):
         one_of("--opt", r.opt, OPTIMIZERS)  # raises, naming the closest
     if optimizer_name(r.opt) == "sgd-nesterov" and not r.momentum > 0:
@@ -199,7 +200,7 @@ def _key(entry) -> Any:
 
 def optimizer(r: Recipe, steps_per_epoch: int) -> optax.GradientTransformation:
     """The optimizer torchvision's script builds for this recipe, as one optax transformation:
-    SGD (nesterov) or AdamW at `epoch_schedule`'s lr, stepped per epoch, the BatchNorm
+    SGD (nesterov), AdamW or RMSprop at `epoch_schedule`'s lr, stepped per epoch, the BatchNorm
     parameters in their own group with `--norm-weight-decay`, the biases in theirs with
     `--bias-weight-decay` (`optax.multi_transform` over `group_labels`), the gradients clipped
     first with torch's `clip_grad_norm_`.
@@ -208,11 +209,13 @@ def optimizer(r: Recipe, steps_per_epoch: int) -> optax.GradientTransformation:
     `--clip-grad-norm` can be turned on or off when a run resumes (after a divergence, say).
     """
     lr = per_epoch(epoch_schedule(r), max(steps_per_epoch, 1))
-    adam = optimizer_name(r.opt) == "adamw"
+    name = optimizer_name(r.opt)
 
     def make(weight_decay: float) -> optax.GradientTransformation:
-        if adam:  # torchvision: AdamW(parameters, lr=lr, weight_decay=wd), torch's other defaults
+        if name == "adamw":  # torchvision: AdamW(parameters, lr=lr, weight_decay=wd), torch's other defaults
             return adamw(lr, weight_decay=weight_decay)
+        if name == "rmsprop":
+            return rmsprop(lr, alpha=RMSPROP_ALPHA, eps=RMSPROP_EPS, weight_decay=weight_decay, momentum=r.momentum)
         return sgd(lr, momentum=r.momentum, weight_decay=weight_decay, nesterov=optimizer_name(r.opt) == "sgd-nesterov")
 
     norm, bias = r.norm_weight_decay is not None, r.bias_weight_decay is not None
@@ -239,15 +242,16 @@ def state_structure(settings: Mapping[str, Any]) -> list[tuple[str, Any]]:
     the structure of its optimizer state, as (setting, fact) pairs in the order a refused
     resume names them: a checkpoint restores only into a state of the same structure.
 
-    SGD and AdamW keep other state; `--norm-weight-decay` and `--bias-weight-decay` split it into
-    groups. torch's SGD keeps no momentum buffer at momentum 0 and optax no decay step at weight
-    decay 0 (AdamW keeps both whatever their values). Nesterov, the schedule and the clip change
+    SGD, AdamW and RMSprop keep other state; `--norm-weight-decay` and `--bias-weight-decay`
+    split it into groups. torch's SGD and RMSprop keep no momentum buffer at momentum 0 and optax
+    no decay step at weight decay 0 (AdamW keeps both whatever their values). Nesterov, the schedule and the clip change
     no state.
     """
     s = DEFAULTS | dict(settings)
-    adam = optimizer_name(s["opt"]) == "adamw"
+    name = optimizer_name(s["opt"])
+    adam = name == "adamw"
     groups = [k for k in ("norm_weight_decay", "bias_weight_decay") if s[k] is not None]
-    facts: list[tuple[str, Any]] = [("opt", "adamw" if adam else "sgd"),
+    facts: list[tuple[str, Any]] = [("opt", "sgd" if name.startswith("sgd") else name),
                                     *((k, s[k] is not None) for k in ("norm_weight_decay", "bias_weight_decay"))]
     if not adam:
         facts += [("momentum", s["momentum"] == 0), ("weight_decay", s["weight_decay"] == 0)]

@@ -1,6 +1,6 @@
 """torch.optim equivalents as optax transformations and schedules.
 
-`sgd` and `adamw` reproduce `torch.optim.SGD` / `torch.optim.AdamW` update for update, and
+`sgd`, `adamw` and `rmsprop` reproduce `torch.optim.SGD` / `AdamW` / `RMSprop` update for update, and
 `clip_grad_norm` torch's `clip_grad_norm_`;
 `step_lr`, `multistep_lr`, `exponential_lr`, `cosine_annealing_lr`, `linear_warmup` and
 `constant_lr` reproduce torch's `StepLR`, `MultiStepLR`, `ExponentialLR`, `CosineAnnealingLR`,
@@ -31,5 +31,6 @@ from jaxport.train._optim import exponential_lr as exponential_lr
 from jaxport.train._optim import linear_warmup as linear_warmup
 from jaxport.train._optim import multistep_lr as multistep_lr
 from jaxport.train._optim import per_epoch as per_epoch
+from jaxport.train._optim import rmsprop as rmsprop
 from jaxport.train._optim import sgd as sgd
 from jaxport.train._optim import step_lr as step_lr
