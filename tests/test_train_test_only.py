@@ -50,13 +50,17 @@ def test_the_workdirs_checkpoint_and_its_ema_evaluate_as_the_run_did_and_nothing
 
 
 @pytest.mark.xdist_group("test_only")
-def test_init_weights_exported_to_torch_evaluate_as_torchvision_evaluates_them(run, tmp_path):
+def test_init_weights_exported_to_torch_evaluate_as_torchvision_evaluates_them(run, tmp_path, capsys):
     """The run exported as a torch state_dict, given to --init: jaxport's held-out accuracy and
-    loss are torchvision's own on the same images."""
+    loss are torchvision's own on the same images. No --workdir is needed."""
     assert main(["export", str(run), "--out", str(tmp_path / "model.pt")]) == 0
-    got = train(TrainConfig(workdir=str(tmp_path / "unused"), init=str(tmp_path / "model.pt"), test_only=True, **RUN),
-                log=lambda m: None)
-    assert not (tmp_path / "unused").exists()
+    got = train(TrainConfig(workdir=None, init=str(tmp_path / "model.pt"), test_only=True, **RUN), log=lambda m: None)
+    capsys.readouterr()
+    assert main(["train", "--init", str(tmp_path / "model.pt"), "--test-only", "--image-size", "16", "--batch-size",
+                 "128"]) == 0
+    assert capsys.readouterr().out == (f"val accuracy {got['val_acc']:.4f}, val loss {got['val_loss']:.4f} (--init "
+                                       f"{tmp_path / 'model.pt'})\n")
+    assert os.listdir(tmp_path) == ["model.pt"]
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
     model.eval()
@@ -94,3 +98,13 @@ def test_test_only_without_weights_or_with_an_auto_batch_is_refused(tmp_path, ch
     with pytest.raises(ConfigError, match=re.escape(message)):
         train(TrainConfig(workdir=str(tmp_path / "w"), test_only=True, **changes))
     assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.mark.parametrize("flags", [["--test-only"], ["--test-only", "--resume"], ["--init", "x.pt"],
+                                   ["--test-only", "--resume", "--init", "x.pt"]])
+def test_only_test_only_of_init_weights_goes_without_a_workdir(flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *flags])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == ("jaxport: error: the following arguments are required: --workdir; see "
+                                       "`jaxport train --help`\n")

@@ -181,8 +181,10 @@ def add_parser(subparsers) -> None:
                                          "global batch * --model-ema-steps / --epochs) (default: %(default)s)")
     p.add_argument("--seed", type=_integer("--seed"), default=d.seed,
                    help="initialisation, data order and augmentation (default: %(default)s)")
-    p.add_argument("--workdir", required=True, metavar="DIR",
-                   help="checkpoints, metrics.jsonl and training_curves.png go here (required)")
+    # Required (`run` says so, as argparse would) but by --test-only of --init's weights.
+    p.add_argument("--workdir", default=None, metavar="DIR",
+                   help="checkpoints, metrics.jsonl and training_curves.png go here (required, but by --test-only "
+                        "--init)")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across devices")
     # checked, with a suggestion, by TrainConfig (as --dtype)
     p.add_argument("--bn-stats", default=d.bn_stats, metavar="{mean,first}",
@@ -235,7 +237,7 @@ def add_parser(subparsers) -> None:
                    help="multi-process: how many processes train together")
     p.add_argument("--process-id", type=_integer("--process-id"), default=None, metavar="ID",
                    help="multi-process: this process's index, 0 to --num-processes - 1")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -256,6 +258,8 @@ class _Given(argparse.Action):
 
 def run(args: argparse.Namespace) -> int:
     """Run `jaxport train`; JaxportError propagates to the CLI, which prints it on one line."""
+    if args.workdir is None and not (args.test_only and args.init is not None and not args.resume):
+        args.parser.error("the following arguments are required: --workdir")
     try:
         with _stdout_to_stderr():
             result = train(config_from_args(args))
@@ -264,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
         return 128 + e.signum
     except KeyboardInterrupt as e:  # a second signal (or one before training began): stopped at once
         signum = getattr(e, "signum", signal.SIGINT)
-        latest = _latest_step(args.workdir) if os.path.isdir(os.path.join(args.workdir, "checkpoints")) else None
+        latest = (_latest_step(args.workdir) if args.workdir is not None
+                  and os.path.isdir(os.path.join(args.workdir, "checkpoints")) else None)
         kept = (f"the latest checkpoint, step {latest}, is in {os.path.join(args.workdir, 'checkpoints')}: continue "
                 "with --resume" if latest is not None else "no checkpoint was written")
         print(f"jaxport: interrupted: {signal.Signals(signum).name}: {kept}", file=sys.stderr)

@@ -60,7 +60,7 @@ class TrainConfig:
     following torch's `CosineAnnealingLR(T_max=epochs)` stepped per epoch.
     """
 
-    workdir: str
+    workdir: str | None  # None only with `test_only` of `init`'s weights, which use none
     data: str | None = None  # None: the embedded scikit-learn digits
     arch: str = "resnet18"
     epochs: int = 8  # 6 reached 0.950-0.983 held-out over seeds and thread counts; 8: 0.972-0.983
@@ -143,15 +143,17 @@ class TrainConfig:
 
 
 def _validate(cfg: TrainConfig) -> None:
+    # --test-only of --init's weights reads and writes no workdir: it may be None.
+    no_workdir = cfg.workdir is None and cfg.test_only is True and cfg.init is not None and not cfg.resume
     # "" is no directory: it failed with "No such file or directory: ''" after the model was built.
-    if not isinstance(cfg.workdir, (str, os.PathLike)) or not os.fspath(cfg.workdir):
+    if not no_workdir and (not isinstance(cfg.workdir, (str, os.PathLike)) or not os.fspath(cfg.workdir)):
         raise ConfigError(f"`--workdir` (={cfg.workdir!r}) must be a directory path, new or existing")
     for name in ("data", "init"):  # `os.path.isdir(5)` asks about file descriptor 5
         value = getattr(cfg, name)
         if value is not None and (not isinstance(value, (str, os.PathLike)) or not os.fspath(value)):
             raise ConfigError(f"`--{name}` (={value!r}) must be a path, or None")
-    blocking = next((p for p in (cfg.workdir, *map(str, Path(cfg.workdir).parents))
-                     if os.path.exists(p) and not os.path.isdir(p)), None)
+    blocking = None if no_workdir else next((p for p in (cfg.workdir, *map(str, Path(cfg.workdir).parents))
+                                             if os.path.exists(p) and not os.path.isdir(p)), None)
     if blocking is not None:
         where = "is a file" if blocking == cfg.workdir else f"is inside '{blocking}', which is a file"
         raise ConfigError(f"`--workdir` (={cfg.workdir}) {where}, not a directory; pass a new or existing directory")
@@ -204,7 +206,7 @@ def _validate(cfg: TrainConfig) -> None:
     if cfg.data is not None and not os.path.isdir(cfg.data):
         raise ConfigError(f"`--data` (={cfg.data}) is not a directory; pass an ImageFolder directory "
                           "(one sub-folder per class) or leave --data out to train on the embedded digits")
-    if cfg.data is not None:
+    if cfg.data is not None and not cfg.test_only:
         # Its checkpoints and plot would be scanned as images: a class more in every later run
         # (the plot is a real PNG), and --resume refused for a class set that changed under it.
         data, work = os.path.realpath(cfg.data), os.path.realpath(cfg.workdir)
