@@ -181,9 +181,9 @@ def add_parser(subparsers) -> None:
                                          "global batch * --model-ema-steps / --epochs) (default: %(default)s)")
     p.add_argument("--seed", type=_integer("--seed"), default=d.seed,
                    help="initialisation, data order and augmentation (default: %(default)s)")
-    # Required (`run` says so, as argparse would) but by --test-only of --init's weights.
+    # Required (`run` says so, as argparse would), except for --test-only of --init's weights.
     p.add_argument("--workdir", default=None, metavar="DIR",
-                   help="checkpoints, metrics.jsonl and training_curves.png go here (required, but by --test-only "
+                   help="checkpoints, metrics.jsonl and training_curves.png go here (required, except with --test-only "
                         "--init)")
     p.add_argument("--sync-bn", action="store_true", help="synchronise BatchNorm statistics across devices")
     # checked, with a suggestion, by TrainConfig (as --dtype)
