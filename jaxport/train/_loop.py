@@ -685,8 +685,9 @@ def _check_optimizer_state(saved: dict | None, now: dict, workdir: str) -> None:
         if key == "opt":
             raise ConfigError(f"--resume: `--opt` (={new}) cannot continue the run in {workdir}, trained with --opt "
                               f"{old}: SGD, AdamW and RMSprop keep different optimizer states (a momentum "
-                              f"buffer; two moment estimates; a squared-gradient average), so the checkpoint cannot be restored; resume with --opt {old}, or start a "
-                              f"new --workdir (--init {shell_word(workdir)} starts it from these weights)")
+                              "buffer; two moment estimates; a squared-gradient average), so the checkpoint cannot be "
+                              f"restored; resume with --opt {old}, or start a new --workdir (--init "
+                              f"{shell_word(workdir)} starts it from these weights)")
         if key in ("norm_weight_decay", "bias_weight_decay") and (old is None) != (new is None):
             trained = "without it" if old is None else f"with {flag} {old}"
             fix = f"without {flag}" if old is None else f"with {flag} {old}"
