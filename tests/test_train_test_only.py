@@ -39,14 +39,16 @@ def test_the_workdirs_checkpoint_and_its_ema_evaluate_as_the_run_did_and_nothing
                     log=messages.append)
         assert (got["val_acc"], got["val_loss"]) == (row[key], row[key.replace("acc", "loss")])
         assert re.fullmatch(rf"--test-only: (the --model-ema average of )?checkpoint step 11 in \S+ on 359 held-out "
-                            rf"images of 10 classes: val loss {row[key.replace('acc', 'loss')]:.4f} acc {row[key]:.4f}",
-                            messages[-1]), messages
+                            rf"images of 10 classes: val loss {row[key.replace('acc', 'loss')]:.4f} acc {row[key]:.4f} "
+                            rf"\(top-5 {got['val_acc5']:.4f}\)", messages[-1]), messages
+        assert got["val_acc"] <= got["val_acc5"] <= 1
     assert _files(run) == before
     # the command line: one result line on stdout
     assert main(["train", "--workdir", str(run), "--resume", "--test-only", "--image-size", "16", "--batch-size", "128",
                  "--no-progress"]) == 0
     out = capsys.readouterr().out
-    assert out == f"val accuracy {row['val_acc']:.4f}, val loss {row['val_loss']:.4f} (checkpoint step 11 in {run})\n"
+    assert re.fullmatch(rf"val accuracy {row['val_acc']:.4f} \(top-5 [01]\.\d{{4}}\), val loss {row['val_loss']:.4f} "
+                        rf"\(checkpoint step 11 in {re.escape(str(run))}\)\n", out), out
 
 
 @pytest.mark.xdist_group("test_only")
@@ -58,8 +60,8 @@ def test_init_weights_exported_to_torch_evaluate_as_torchvision_evaluates_them(r
     capsys.readouterr()
     assert main(["train", "--init", str(tmp_path / "model.pt"), "--test-only", "--image-size", "16", "--batch-size",
                  "128"]) == 0
-    assert capsys.readouterr().out == (f"val accuracy {got['val_acc']:.4f}, val loss {got['val_loss']:.4f} (--init "
-                                       f"{tmp_path / 'model.pt'})\n")
+    assert capsys.readouterr().out == (f"val accuracy {got['val_acc']:.4f} (top-5 {got['val_acc5']:.4f}), val loss "
+                                       f"{got['val_loss']:.4f} (--init {tmp_path / 'model.pt'})\n")
     assert os.listdir(tmp_path) == ["model.pt"]
     model = torchvision.models.resnet18(num_classes=10)
     model.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True), strict=True)
@@ -70,7 +72,10 @@ def test_init_weights_exported_to_torch_evaluate_as_torchvision_evaluates_them(r
         logits = model(torch.from_numpy(images).permute(0, 3, 1, 2))
     loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(labels).long()).item()
     acc = (logits.argmax(1).numpy() == labels).mean()
+    acc5 = (logits.topk(5, 1).indices.numpy() == labels[:, None]).any(1).mean()  # train.py's utils.accuracy
     assert got["val_acc"] == pytest.approx(acc, abs=0.5 / val.num_examples)  # the same predictions
+    assert got["val_acc5"] == pytest.approx(acc5, abs=0.5 / val.num_examples)
+    assert acc5 > acc  # a top-5 that is not the top-1 again
     assert got["val_loss"] == pytest.approx(loss, rel=1e-4)
 
 

@@ -302,7 +302,8 @@ def _stdout_to_stderr():
 def summary(result: dict, workdir: str, epochs: int) -> str:
     """The last line of a run: what `train` returned, said truthfully."""
     if "test_only" in result:
-        return f"val accuracy {result['val_acc']:.4f}, val loss {result['val_loss']:.4f} ({result['test_only']})"
+        return (f"val accuracy {result['val_acc']:.4f} (top-5 {result['val_acc5']:.4f}), val loss "
+                f"{result['val_loss']:.4f} ({result['test_only']})")
     step = int(result["state"].step)
     if not result["steps_run"] and "val_acc" not in result:  # (a resumed epoch evaluated, trained before: below)
         return f"nothing to train: already at step {step}, checkpoints in {workdir}"

@@ -609,7 +609,8 @@ def _test_only(cfg: TrainConfig, data: _data.Data, say: Callable[[str], None]) -
     be `cfg.arch` with a classifier of the data's classes (one re-initialised would be evaluated
     at chance). Nothing is trained, and nothing is written to the workdir.
 
-    Returns `{"val_loss", "val_acc", "test_only": <what was evaluated>}`."""
+    Returns `{"val_loss", "val_acc", "val_acc5", "test_only": <what was evaluated>}`: `val_acc5`
+    is torchvision's Acc@5 (the label among the 5 largest logits; all of them with fewer classes)."""
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     check_batch_size(cfg.batch_size, mesh.devices.size, "--batch-size")
     model = build(cfg.arch, num_classes=data.num_classes, dtype=jnp.bfloat16 if cfg.dtype == "bfloat16" else None)
@@ -637,9 +638,9 @@ def _test_only(cfg: TrainConfig, data: _data.Data, say: Callable[[str], None]) -
                           "weights as they are: give weights trained on these classes, or train (without "
                           "--test-only) to fit a new classifier")
     variables = fit_head(variables, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), lambda m: None, cfg.arch)
-    row = _evaluate(make_eval_step(model, mesh), replicate(variables, mesh), data.val, cfg.batch_size, mesh)
+    row = _evaluate(make_eval_step(model, mesh), replicate(variables, mesh), data.val, cfg.batch_size, mesh, top5=True)
     say(f"--test-only: {what} on {data.val.num_examples} held-out images of {data.num_classes} classes: val loss "
-        f"{row['val_loss']:.4f} acc {row['val_acc']:.4f}")
+        f"{row['val_loss']:.4f} acc {row['val_acc']:.4f} (top-5 {row['val_acc5']:.4f})")
     return row | {"test_only": what}
 
 
@@ -819,10 +820,11 @@ def _batches(order: np.ndarray, start: int, stop: int, batch: int, process: int,
         yield rows[process * share:(process + 1) * share]
 
 
-def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict:
+def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh, top5: bool = False) -> dict:
+    """`{"val_loss", "val_acc"}` over `split` (and `val_acc5`, torchvision's Acc@5, with `top5`)."""
     p, n_proc = jax.process_index(), jax.process_count()
     share = batch // n_proc
-    totals = np.zeros(3)
+    totals = np.zeros(4)
     n = split.num_examples
     chunks = [np.arange(i, min(i + batch, n)) for i in range(0, n, batch)]
     # Pad every chunk to the global batch; padded rows repeat example 0 and are masked out.
@@ -834,8 +836,9 @@ def _evaluate(evaluate, variables, split: _data.Split, batch: int, mesh) -> dict
     with contextlib.closing(split.stream(iter(local), 0)) as batches:
         for (x, y), m in zip(batches, masks):
             out = evaluate(variables, *shard_batch(mesh, x, y, m[p * share:(p + 1) * share].astype(np.float32)))
-            totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"])]
-    return {"val_loss": totals[0] / totals[2], "val_acc": totals[1] / totals[2]}
+            totals += [float(out["loss_sum"]), float(out["correct"]), float(out["count"]), float(out["correct5"])]
+    return {"val_loss": totals[0] / totals[2], "val_acc": totals[1] / totals[2],
+            **({"val_acc5": totals[3] / totals[2]} if top5 else {})}
 
 
 def plot_metrics(metrics_path: str, out_path: str) -> None:

@@ -341,7 +341,9 @@ class _Donating:
 
 
 def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
-    """`evaluate(variables, images, labels, mask) -> {"loss_sum", "correct", "count"}` (eval mode).
+    """`evaluate(variables, images, labels, mask) -> {"loss_sum", "correct", "correct5", "count"}`
+    (eval mode): `correct5` counts labels among the 5 largest logits (all of them with fewer
+    classes), torchvision's Acc@5.
 
     `mask` (1 for real examples, 0 for padding) lets the last, partial batch be padded to a
     multiple of the device count.
@@ -352,9 +354,12 @@ def make_eval_step(model: nn.Module, mesh: Mesh) -> Callable:
         logits = model.apply(variables, images, train=False)
         loss = cross_entropy(logits, labels)
         hit = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+        top5 = jax.lax.top_k(logits, min(5, logits.shape[-1]))[1]
+        hit5 = jnp.any(top5 == labels[:, None], -1).astype(jnp.float32)
         return {
             "loss_sum": jax.lax.psum(jnp.sum(loss * mask), AXIS),
             "correct": jax.lax.psum(jnp.sum(hit * mask), AXIS),
+            "correct5": jax.lax.psum(jnp.sum(hit5 * mask), AXIS),
             "count": jax.lax.psum(jnp.sum(mask), AXIS),
         }
 
