@@ -574,13 +574,13 @@ def _step_options(cfg: TrainConfig) -> dict:
 # jitted programs of an earlier call with the same model, devices, optimizer and step options:
 # each call used to build new closures, which jax traced, lowered and compiled again (ResNet-18
 # at 16 px, 2 steps on 8 CPU devices: 12.4 s a call, 3.0 s with a persistent compilation cache;
-# 1.3 s either way when the programs are reused). The key
-# holds everything the programs close over: the model (a Flax module compares by its fields),
-# the mesh, every `_recipe.Recipe` field (all the optimizer reads) with the steps per epoch its
-# schedule counts, `make_train_step`'s options, and the two builders themselves (a builder
-# replaced in this module, as tests do, neither gets nor leaves programs built by another). jax's
-# own caches still retrace for another jax configuration (x64, matmul precision) or input shape.
-# Two entries: the programs hold compiled executables, and a sweep alternates between few settings.
+# 1.3 s either way when the programs are reused). The key holds everything the programs close
+# over: the model (a Flax module compares by its fields), the mesh, every `_recipe.Recipe` field
+# (all the optimizer reads) with the steps per epoch its schedule counts, `make_train_step`'s
+# options, and the two builders themselves (a builder replaced in this module, as tests do,
+# neither gets nor leaves programs built by another). jax's own caches still retrace for another
+# jax configuration (x64, matmul precision) or input shape. Two entries: the programs hold
+# compiled executables, and a sweep alternates between few settings.
 def _recipe_key(cfg: TrainConfig) -> tuple:
     """The `_recipe.Recipe` fields of `cfg`: everything `_recipe.optimizer` reads."""
     return tuple((name, getattr(cfg, name)) for name in _recipe.Recipe.__annotations__)
