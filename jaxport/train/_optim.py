@@ -256,12 +256,14 @@ def _concrete(value) -> float | None:
     return None if isinstance(value, jax.core.Tracer) else float(value)
 
 
-def _floating_only(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def _floating_only(tx: optax.GradientTransformation, low_precision: str | None = None
+                   ) -> optax.GradientTransformationExtraArgs:
     """`tx` refusing non-floating parameters at `init` and float0 gradients at `update`: optax
     would update an integer leaf and truncate it silently (torch refuses integer tensors as
     parameters), and fails on a float0 gradient (jax.grad(..., allow_int=True) of one) with its
     own obscure errors. Both are refused, naming the leaf; such leaves belong outside the
-    optimizer."""
+    optimizer. `low_precision`, if given, refuses bfloat16/float16 parameters too, with that
+    reason."""
     fix = ("keep integer leaves out of the optimizer, e.g. optax.multi_transform({'train': sgd(...), "
            "'fixed': optax.set_to_zero()}, labels) with label 'fixed' for them")
 
@@ -270,6 +272,9 @@ def _floating_only(tx: optax.GradientTransformation) -> optax.GradientTransforma
             if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
                 raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: only "
                                   f"floating-point parameters can be optimized (torch.optim refuses others too); {fix}")
+            if low_precision and jnp.finfo(jnp.result_type(leaf)).bits < 32:
+                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: "
+                                  f"{low_precision}")
         return tx.init(params)
 
     def update(updates, state, params=None, **extra_args):
@@ -441,18 +446,10 @@ def rmsprop(
     if momentum or _is_array(momentum):
         parts.append(optax.trace(decay=momentum))
     parts.append(optax.scale_by_learning_rate(learning_rate))
-    tx = _floating_only(optax.chain(*parts))
-
-    def init(params):
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            if _low_precision(jnp.zeros((), jnp.result_type(leaf))):
-                raise ConfigError(f"parameter {jax.tree_util.keystr(path)} has dtype {jnp.result_type(leaf)}: rmsprop "
-                                  "reproduces torch.optim.RMSprop for float32 and float64 parameters, not torch's "
-                                  "rounding in low precision; keep float32 parameters (compute in bfloat16 with "
-                                  "float32 masters, as jaxport train --dtype bfloat16 does)")
-        return tx.init(params)
-
-    return optax.GradientTransformationExtraArgs(init, tx.update)
+    return _floating_only(optax.chain(*parts), low_precision=(
+        "rmsprop reproduces torch.optim.RMSprop for float32 and float64 parameters, not torch's rounding in low "
+        "precision; keep float32 parameters (compute in bfloat16 with float32 masters, as jaxport train --dtype "
+        "bfloat16 does)"))
 
 
 # ---------------------------------------------------------------------------------------------
