@@ -796,6 +796,9 @@ def _leave_at_once(code: int) -> None:
 
 # The commands that import torch (through torch_compat) as they start.
 _TORCH_COMMANDS = ("port", "verify", "export", "env")
+# ... and torchvision: to cross-check, to build the embedded default, to report its version.
+# `port CHECKPOINT` and `export` convert only, and torch_compat leaves torchvision (~1.4 s) out.
+_TORCHVISION_COMMANDS = ("verify", "env")
 # What `train` imports as it reads an image folder (torchvision's transforms, PIL's decoders) or
 # loads --init's checkpoint; imported otherwise only once training starts, outside the hold.
 _DATA_MODULES = ("torch", "torch.utils.data", "torchvision.transforms", "PIL.Image")
@@ -804,6 +807,8 @@ _DATA_MODULES = ("torch", "torch.utils.data", "torchvision.transforms", "PIL.Ima
 def _modules_for(args: argparse.Namespace) -> tuple[str, ...]:
     """The extension-heavy modules the command will import, to import while signals are held."""
     command = getattr(args, "command", None)
+    if command in _TORCHVISION_COMMANDS or (command == "port" and (args.verify or args.checkpoint is None)):
+        return ("torch", "torchvision")
     if command in _TORCH_COMMANDS:
         return ("torch",)
     if command == "train" and getattr(args, "data", None):

@@ -1,4 +1,5 @@
-"""Package attributes loaded on first use (PEP 562), for `jaxport` and `jaxport.train`."""
+"""Package attributes loaded on first use (PEP 562), for `jaxport`, `jaxport.train` and
+`torch_compat`."""
 from __future__ import annotations
 
 import importlib

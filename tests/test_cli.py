@@ -13,6 +13,7 @@ import torchvision
 
 import jaxport
 import torch_compat
+from torch_compat import _default
 from jaxport._cli import _source_id, main
 from tests.helpers import reference
 
@@ -51,7 +52,7 @@ def test_port_with_no_arguments_ports_the_embedded_default(tmp_path):
     assert "verify: PASS" in proc.stdout
     for stage in ("stem", "layer4", "logits", "running_var"):
         assert stage in proc.stdout
-    ckpt = tmp_path / "cache" / torch_compat._default.FILENAME
+    ckpt = tmp_path / "cache" / _default.FILENAME
     assert b"cuda:0" in ckpt.read_bytes()  # really tagged as saved from the GPU
     raw = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert all(k.startswith("module.") for k in raw["state_dict"])
@@ -199,8 +200,8 @@ def test_a_write_past_the_file_size_limit_is_one_clear_error(tmp_path, resnet18_
 def test_the_embedded_default_checkpoint_is_the_same_file_in_every_cache(tmp_path):
     """The README's main job starts from it: its bytes must not depend on the cache, nor on the
     random temporary name it was written under (torch named the archive's folder after it)."""
-    a = torch_compat._default.default_checkpoint(tmp_path / "a" / torch_compat._default.FILENAME)
-    b = torch_compat._default.default_checkpoint(tmp_path / "b" / "elsewhere.pth.tar")
+    a = _default.default_checkpoint(tmp_path / "a" / _default.FILENAME)
+    b = _default.default_checkpoint(tmp_path / "b" / "elsewhere.pth.tar")
     assert a.read_bytes() == b.read_bytes()
 
 

@@ -129,17 +129,22 @@ class Probe:  # reports who handles SIGTERM when {module} is first imported, the
             raise SystemExit(0)
 
 sys.meta_path.insert(0, Probe())
-sys.argv = ["jaxport", "train", "--workdir", {workdir!r}, {flag!r}, {value!r}]
+sys.argv = ["jaxport", *{argv!r}]
 sys.exit(_cli.main())
 """
 
 
-@pytest.mark.parametrize("flag, module", [("--data", "torchvision"), ("--init", "torch")])
-def test_train_imports_torch_while_signals_are_held(flag, module, tmp_path):
-    """`train --data` imports torchvision and PIL, `--init` torch: like port's torch, while the
-    signals wait (an import cut short by the signal has crashed the process at exit)."""
-    code = _RECORD_HOLD_AT_IMPORT.format(module=module, workdir=str(tmp_path / "w"), flag=flag,
-                                         value=str(tmp_path / "anything"))
+@pytest.mark.parametrize("argv, module", [
+    (["train", "--workdir", "W", "--data", "X"], "torchvision"), (["train", "--workdir", "W", "--init", "X"], "torch"),
+    (["port"], "torchvision"), (["port", "X", "--verify"], "torchvision"), (["verify", "X"], "torchvision"),
+])
+def test_commands_import_torch_while_signals_are_held(argv, module, tmp_path):
+    """`train --data` imports torchvision and PIL, `--init` torch; `verify`, `port --verify` and
+    `port` of the embedded default torchvision (which torch_compat imports only when it builds
+    a torchvision model): all while the signals wait (an import cut short by the signal has
+    crashed the process at exit)."""
+    argv = [{"W": str(tmp_path / "w"), "X": str(tmp_path / "anything")}.get(a, a) for a in argv]
+    code = _RECORD_HOLD_AT_IMPORT.format(module=module, argv=argv)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and "_signals_held" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

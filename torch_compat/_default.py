@@ -17,7 +17,6 @@ from jaxport._errors import CheckpointError
 from jaxport._io import atomic_path, open_for_writer
 
 from ._cuda_tag import saving_as_cuda
-from ._reference import reference_model
 
 ARCH = "resnet50"
 SEED = 0
@@ -65,6 +64,8 @@ def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool =
 
 
 def _training_script_dict() -> dict:
+    from ._reference import reference_model  # torchvision: imported only when the default is built
+
     model = reference_model(ARCH, seed=SEED)
     wrapped = torch.nn.DataParallel(model)  # on a CPU-only machine it only adds `module.`
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
