@@ -425,20 +425,30 @@ def _recorded_devices(meta: dict | None) -> int:
     return n if isinstance(n, int) else 0
 
 
-def _check_auto_batch_fits_data(cfg: TrainConfig, num_examples: int, n_dev: int) -> None:
-    """`--batch-size auto` needs the training set to give every device its smallest valid batch.
-    It picked that batch anyway, then failed as if the user had passed it ("`--batch-size` (=8)
-    is larger than the training set"), suggesting a size that was refused in turn."""
+def _check_auto_batch_fits_data(cfg: TrainConfig, total: int, n_dev: int) -> None:
+    """`--batch-size auto` needs an epoch's images (the `total` training images, or under
+    --ra-sampler those rounded down to a multiple of 256) to give every device its smallest
+    valid batch. It picked that batch anyway, then failed as if the user had passed it
+    ("`--batch-size` (=8) is larger than the training set"), suggesting a size that was refused
+    in turn."""
+    num_examples = _epoch_images(cfg, total)
+    # Under --ra-sampler the training set itself is not what was short: it was called "the
+    # training set (1280 images)" of 1438 digits.
+    epoch = (f"an epoch under `--ra-sampler` ({num_examples} of the {total} training images, rounded down to a "
+             "multiple of 256 as torchvision's RASampler does)" if cfg.ra_sampler else
+             f"the training set ({num_examples} images)")
     low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev)
     if num_examples >= low * n_dev:
         return
     if num_examples < n_dev:
-        raise ConfigError(f"`--batch-size auto`: the training set ({num_examples} images) has fewer images than the "
-                          f"{n_dev} devices, and a step needs at least one image per device; add training images")
+        raise ConfigError(f"`--batch-size auto`: {epoch} has fewer images than the "
+                          f"{n_dev} devices, and a step needs at least one image per device; add training images"
+                          + (", or leave out --ra-sampler" if cfg.ra_sampler else ""))
     side = layer4_side(cfg.image_size)
-    fixes = ([] if cfg.sync_bn or n_dev == 1 else ["--sync-bn"]) + [f"at least {low * n_dev} training images",
+    need = -(-low * n_dev // 256) * 256 if cfg.ra_sampler else low * n_dev
+    fixes = ([] if cfg.sync_bn or n_dev == 1 else ["--sync-bn"]) + [f"at least {need} training images",
                                                                      "--image-size 33 or more"]
-    raise ConfigError(f"`--batch-size auto`: the training set ({num_examples} images) gives at most "
+    raise ConfigError(f"`--batch-size auto`: {epoch} gives at most "
                       f"{num_examples // n_dev} image per device on {n_dev} device(s), and at `--image-size` "
                       f"(={cfg.image_size}) layer4's maps are {side}x{side}: train-mode BatchNorm needs {low} per device "
                       f"(one value per channel otherwise, which torch refuses); use {', or '.join(fixes)}")
@@ -1051,7 +1061,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         steps_per_epoch = _epoch_images(cfg, data.train.num_examples) // cfg.batch_size
     tx_for = lambda spe: _recipe.optimizer(cfg, spe)  # noqa: E731
     if cfg.batch_size == "auto":
-        _check_auto_batch_fits_data(cfg, _epoch_images(cfg, data.train.num_examples), n_dev)
+        _check_auto_batch_fits_data(cfg, data.train.num_examples, n_dev)
         tx = tx_for(1)
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
