@@ -24,6 +24,7 @@ near zero, which turns float64 rounding of such gradients into 1e-5 differences 
 """
 import jax
 import numpy as np
+import optax
 import pytest
 import torch
 import torchvision
@@ -41,10 +42,29 @@ OPTIMIZERS = {
                  lambda: optim.sgd(0.05, momentum=0.9, weight_decay=1e-4, nesterov=True)),
     "adamw": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, eps=1e-5, weight_decay=1e-2),
               lambda: optim.adamw(1e-3, eps=1e-5, weight_decay=1e-2)),
+    # gradients clipped to a global norm first (torchvision's --clip-grad-norm: `_run` clips torch's)
+    "sgd-clip": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-4),
+                 lambda: optax.chain(optim.clip_grad_norm(CLIP), optim.sgd(0.05, momentum=0.9, weight_decay=1e-4))),
 }
+CLIP = 0.1  # below the gradients' norm at every step here, so clipping acts
 
 
-def _run(arch, opt, dtype, steps, batch=4, size=32, zero_init=True):
+def _batchnorm_as(tmodel, mode):
+    """torch's side of `make_train_step(batchnorm=mode)`: `bn.eval()` on every BatchNorm, or each
+    replaced by torchvision's FrozenBatchNorm2d holding its state (buffers, not parameters)."""
+    for name, module in list(tmodel.named_modules()):
+        if isinstance(module, torch.nn.BatchNorm2d):
+            if mode == "eval":
+                module.eval()
+            elif mode == "frozen":
+                # in the model's dtype before the state arrives (float64 loaded into float32 buffers rounds)
+                frozen = torchvision.ops.FrozenBatchNorm2d(module.num_features, eps=module.eps).to(module.weight.dtype)
+                frozen.load_state_dict({k: v for k, v in module.state_dict().items() if k != "num_batches_tracked"})
+                parent, _, child = name.rpartition(".")
+                setattr(tmodel.get_submodule(parent) if parent else tmodel, child, frozen)
+
+
+def _run(arch, opt, dtype, steps, batch=4, size=32, zero_init=True, batchnorm="train"):
     torch_dtype = {np.float64: torch.float64, np.float32: torch.float32}[dtype]
     torch.manual_seed(0)  # the same init on every run (and for both dtypes)
     tmodel = getattr(torchvision.models, arch)(num_classes=NUM_CLASSES, zero_init_residual=zero_init).to(torch_dtype)
@@ -56,6 +76,7 @@ def _run(arch, opt, dtype, steps, batch=4, size=32, zero_init=True):
     variables = torch_to_flax(tmodel.state_dict(), arch)
     batches = [(rng.standard_normal((batch, size, size, 3)).astype(dtype), rng.integers(0, NUM_CLASSES, batch))
                for _ in range(steps)]
+    _batchnorm_as(tmodel, batchnorm)
 
     make_torch_opt, make_tx = OPTIMIZERS[opt]
     topt = make_torch_opt(tmodel.parameters())
@@ -63,6 +84,8 @@ def _run(arch, opt, dtype, steps, batch=4, size=32, zero_init=True):
         topt.zero_grad()
         loss = torch.nn.functional.cross_entropy(tmodel(torch.tensor(x.transpose(0, 3, 1, 2))), torch.tensor(y))
         loss.backward()
+        if opt.endswith("-clip"):
+            assert torch.nn.utils.clip_grad_norm_(tmodel.parameters(), CLIP) > CLIP
         topt.step()
     want = {k: v.detach().numpy() for k, v in tmodel.state_dict().items()}
 
@@ -73,12 +96,13 @@ def _run(arch, opt, dtype, steps, batch=4, size=32, zero_init=True):
     tx = make_tx()
     state = create_state(variables, tx, mesh)
     assert state.params["conv1"]["kernel"].dtype == dtype
-    step = make_train_step(model, tx, mesh)
+    step = make_train_step(model, tx, mesh, batchnorm=batchnorm)
     for x, y in batches:
         state, _ = step(state, *shard_batch(mesh, x, y))
     got = {k: v.numpy() for k, v in flax_to_torch(jax.device_get(state.variables), arch).items()}
-    assert got.keys() == want.keys()
-    return got, want
+    # FrozenBatchNorm2d keeps no num_batches_tracked
+    assert got.keys() == want.keys() or (batchnorm == "frozen" and set(want) < set(got))
+    return {k: got[k] for k in want}, want
 
 
 @pytest.mark.parametrize("arch,opt", [
@@ -93,6 +117,24 @@ def test_three_steps_float64(arch, opt):
     for k in want:
         if k.endswith("num_batches_tracked"):
             assert got[k] == want[k] == 5, k  # 2 calibration batches + 3 steps
+
+
+@pytest.mark.parametrize("arch,opt,batchnorm", [
+    ("resnet18", "sgd", "eval"), ("resnet18", "adamw", "frozen"), ("resnet18", "sgd-clip", "frozen"),
+    ("resnet50", "nesterov", "frozen"),
+])
+def test_three_steps_float64_with_batchnorm_in_eval_mode_or_frozen(arch, opt, batchnorm):
+    """`bn.eval()` while the rest trains, and FrozenBatchNorm2d, whose scale and bias are
+    buffers torch's optimizer never sees (no update, no weight decay, no AdamW step, no part in
+    the gradients' norm that --clip-grad-norm clips)."""
+    with jax.enable_x64(True):
+        got, want = _run(arch, opt, np.float64, steps=3, batchnorm=batchnorm)
+    errors = rel_errors(got, want)
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= 1e-8, (worst, errors[worst])
+    for k in want:
+        if k.endswith("num_batches_tracked"):
+            assert got[k] == want[k] == 2, k  # the 2 calibration batches: eval mode counts none
 
 
 # No float32 AdamW case: Adam's first update is ~`lr * sign(g)`, so a gradient entry that

@@ -190,6 +190,10 @@ def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float =
 
 
 RUNNING_STATS = ("mean", "first")  # `make_train_step(running_stats=...)`, `jaxport train --bn-stats`
+# `make_train_step(batchnorm=...)`, `jaxport train --bn-mode`: torch's `model.train()`; the
+# BatchNorm layers put back in eval mode (`bn.eval()` for each, the usual fine-tuning with small
+# batches); and torchvision's FrozenBatchNorm2d (eval mode, and scale and bias fixed too).
+BATCHNORM_MODES = ("train", "eval", "frozen")
 
 
 def _agree_running_stats(batch_stats, how: str):
@@ -229,7 +233,8 @@ def _check_batch(images, labels, mask=None) -> None:
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
                     donate: bool = True, running_stats: str = "mean", label_smoothing: float = 0.0,
-                    mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, seed: int = 0) -> Callable:
+                    mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, seed: int = 0,
+                    batchnorm: str = "train") -> Callable:
     """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
 
     `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
@@ -261,11 +266,21 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     against the soft targets, and `correct` counts predictions equal to their argmax (torchvision's
     `utils.accuracy` with 2-D targets).
 
+    `batchnorm` says how the BatchNorm layers train: `"train"` (the default) as torch's
+    `model.train()`, normalising with each batch's statistics and updating the running ones;
+    `"eval"` as `bn.eval()` on every BatchNorm of a model in train mode, the usual fine-tuning of
+    pretrained weights with few images per device: the running statistics normalise and stay as
+    they are, and the scales and biases still train; `"frozen"` as torchvision's
+    `FrozenBatchNorm2d`: eval mode, and the scales and biases are fixed too. A frozen layer's
+    scale and bias are buffers in torch, not parameters: they take no part in `tx` (no update,
+    no weight decay, and a zero gradient, so `optax.clip_by_global_norm` measures the others
+    alone), though `tx` keeps state for them. With "eval" or "frozen", `running_stats` and the
+    model's `bn_axis_name` change nothing, and one image per device is enough at any size.
+
     Gradient clipping, param groups and frozen parameters belong in `tx` (see
-    `torch_compat.optim`). What this step does not take, another loss (class weights) or
-    BatchNorm kept in eval mode while training (`bn.eval()`, FrozenBatchNorm2d), is a step of
-    your own: `model.apply(..., train=False)` inside `jax.shard_map`, gradients
-    `pmean`-ed over "data", as here.
+    `torch_compat.optim`). What this step does not take, another loss (class weights), is a
+    step of your own: `model.apply` inside `jax.shard_map`, gradients `pmean`-ed over "data",
+    as here.
 
     With `donate` (the default) a call consumes `state`: its buffers become the new state's,
     and passing it again is refused; `donate=False` keeps it, at the cost of a second copy of
@@ -275,6 +290,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     if model.bn_axis_name not in (None, AXIS):
         raise ConfigError(f"`bn_axis_name` (={model.bn_axis_name!r}) must be None or {AXIS!r} for this mesh")
     one_of("running_stats", running_stats, RUNNING_STATS)
+    one_of("batchnorm", batchnorm, BATCHNORM_MODES)
     label_smoothing = check_label_smoothing(label_smoothing)
     mixup_alpha = _mix.check_alpha(mixup_alpha, "mixup_alpha")
     cutmix_alpha = _mix.check_alpha(cutmix_alpha, "cutmix_alpha")
@@ -287,19 +303,27 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
                                       cutmix_alpha, axis_name=AXIS)
 
         def loss_fn(params):
-            logits, updates = model.apply({"params": params, "batch_stats": state.batch_stats}, images,
-                                          train=True, mutable=["batch_stats"])
+            variables = {"params": params, "batch_stats": state.batch_stats}
+            if batchnorm == "train":
+                logits, updates = model.apply(variables, images, train=True, mutable=["batch_stats"])
+                batch_stats = updates["batch_stats"]
+            else:  # a ResNet's `train` switches its BatchNorm layers alone
+                logits, batch_stats = model.apply(variables, images, train=False), state.batch_stats
             loss = jnp.mean(cross_entropy(logits, labels, label_smoothing))
-            return loss, (updates["batch_stats"], logits)
+            return loss, (batch_stats, logits)
 
         (loss, (batch_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
         # Over one device a mean is the identity, but XLA:CPU still copies every gradient
         # through an all-reduce (~15 ms of ResNet-50's 16 x 128 px step): skip it there.
         if mesh.shape[AXIS] > 1:
             grads = jax.lax.pmean(grads, AXIS)
-            if model.bn_axis_name is None:
+            if model.bn_axis_name is None and batchnorm == "train":
                 batch_stats = _agree_running_stats(batch_stats, running_stats)
+        if batchnorm == "frozen":
+            grads = _zero_batchnorm(grads, state.batch_stats)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        if batchnorm == "frozen":
+            updates = _zero_batchnorm(updates, state.batch_stats)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": jax.lax.pmean(loss, AXIS),
@@ -318,6 +342,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=_options(mesh))
     return _Donating(jitted) if donate else jitted
+
+
+def _zero_batchnorm(tree, batch_stats):
+    """`tree` (shaped as the params) with zeros for every BatchNorm's scale and bias: the layers
+    that hold running statistics in `batch_stats`, at the same path."""
+    def zero(path, x):
+        keys = [getattr(k, "key", k) for k in path]
+        layer = batch_stats
+        for k in keys[:-1]:
+            layer = layer.get(k) if isinstance(layer, Mapping) else None
+        return jnp.zeros_like(x) if isinstance(layer, Mapping) and "mean" in layer else x
+
+    return jax.tree_util.tree_map_with_path(zero, tree)
 
 
 class _Donating:
