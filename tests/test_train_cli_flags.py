@@ -96,6 +96,10 @@ ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, r
                           "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
     (["--bn-stats", "frist"], "`--bn-stats` (='frist') must be one of mean, first; did you mean --bn-stats first?"),
     (["--bn-stats", "avg"], "`--bn-stats` (='avg') must be one of mean, first"),
+    (["--bn-mode", "frozn"], "`--bn-mode` (='frozn') must be one of train, eval, frozen; did you mean --bn-mode frozen?"),
+    (["--bn-mode", "eval", "--sync-bn"], "`--sync-bn` synchronises the batch statistics of train-mode BatchNorm, and "
+                                         "with `--bn-mode` (=eval) BatchNorm normalises with its running statistics, "
+                                         "the same on every device: leave out one of the two"),
     (["--opt", "adam"], "`--opt` (='adam') must be one of sgd, sgd-nesterov, adamw, rmsprop; did you mean --opt adamw?"),
     (["--opt", "nesterov"], "`--opt` (='nesterov') must be one of sgd, sgd-nesterov, adamw, rmsprop; did you mean --opt "
                             "sgd-nesterov?"),
@@ -225,6 +229,8 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--arch", "wide_resnet50_2"], "arch", "wide_resnet50_2"),
     (["--bn-stats", "first"], "bn_stats", "first"),
     ([], "bn_stats", "mean"),  # make_train_step's default: what runs trained with before the flag
+    ([], "bn_mode", "train"),
+    (["--bn-mode", "frozen"], "bn_mode", "frozen"),
     (["--label-smoothing", "0.1"], "label_smoothing", 0.1),
     (["--label-smoothing", "1"], "label_smoothing", 1.0),
     ([], "label_smoothing", 0.0),
@@ -294,6 +300,7 @@ def test_settings_that_change_the_training_must_agree_across_processes():
 
     assert _flags(_parsed())["--bn-stats"] == "mean"
     assert _flags(_parsed("--bn-stats", "first"))["--bn-stats"] == "first"
+    assert _flags(_parsed("--bn-mode", "eval"))["--bn-mode"] == "eval"
     assert _flags(_parsed())["--label-smoothing"] == 0.0
     assert _flags(_parsed("--label-smoothing", "0.1"))["--label-smoothing"] == 0.1
     # torchvision's recipe: another optimizer or schedule on one process trains other weights

@@ -443,9 +443,10 @@ def _constructor(arch: str, cls: type[ResNet] = ResNet) -> Callable[..., ResNet]
             raise ConfigError("`norm_layer` is not supported: jaxport's ResNets use torchvision's default "
                               "BatchNorm2d (eps 1e-5, momentum 0.1); for SyncBatchNorm pass "
                               "bn_axis_name='data'; for FrozenBatchNorm2d (statistics and affine fixed) fold it "
-                              "for inference (jaxport.models.build_folded), or to train the rest apply the model "
-                              "with train=False and give the BatchNorm scales and biases optax.set_to_zero() "
-                              "(make_train_step always trains BatchNorm: write that step yourself)")
+                              "for inference (jaxport.models.build_folded), or to train the rest use "
+                              "jaxport.train.make_train_step(..., batchnorm='frozen') (jaxport train --bn-mode "
+                              "frozen), or apply the model with train=False and give the BatchNorm scales and "
+                              "biases optax.set_to_zero() in a step of your own")
         fixed = {"groups": spec.groups, "width_per_group": spec.width_per_group}
         for key, value in fixed.items():
             if key in kwargs and kwargs[key] != value:

@@ -191,6 +191,11 @@ def add_parser(subparsers) -> None:
                    help="per-device BatchNorm's running statistics (what evaluation uses) after each step: mean over "
                         "the devices, or first: device 0's, as torch's DataParallel and DDP keep; nothing changes "
                         "with --sync-bn or one device (default: %(default)s)")
+    p.add_argument("--bn-mode", default=d.bn_mode, metavar="{train,eval,frozen}",
+                   help="how BatchNorm trains: train, as torch's model.train(); eval, as bn.eval() on every BatchNorm "
+                        "while the rest trains (fine-tuning with few images per device: the running statistics "
+                        "normalise and stay as they are, scales and biases train); frozen, as torchvision's "
+                        "FrozenBatchNorm2d (scales and biases fixed too) (default: %(default)s)")
     p.add_argument("--label-smoothing", type=_real("--label-smoothing", 0.1), default=d.label_smoothing,
                    metavar="LS", help="label smoothing of the training loss, from 0 to 1, as torch's "
                                       "CrossEntropyLoss(label_smoothing=LS); the train loss shown is then the "

@@ -27,7 +27,7 @@ from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _ema, _memory, _mix, _presets, _recipe
 from ._init import fit_head, load_init
-from ._step import (RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
+from ._step import (BATCHNORM_MODES, RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
                     make_train_step, replicate, shard_batch)
 
 FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
@@ -92,6 +92,10 @@ class TrainConfig:
     # Per-device BatchNorm's running statistics after each step: "mean" over the devices, or
     # "first": device 0's, as torch's DataParallel and DDP keep (`make_train_step(running_stats=)`).
     bn_stats: str = "mean"
+    # How BatchNorm trains (`make_train_step(batchnorm=)`): "train" as torch's model.train();
+    # "eval" as bn.eval() on each BatchNorm (running statistics used and kept, scale and bias
+    # trained); "frozen" as torchvision's FrozenBatchNorm2d (scale and bias fixed too).
+    bn_mode: str = "train"
     # torch's CrossEntropyLoss(label_smoothing=...) for the training loss; evaluation's stays plain.
     label_smoothing: float = 0.0
     # torchvision's --mixup-alpha, --cutmix-alpha (0: off): each global batch mixed in the step (`_mix`).
@@ -177,6 +181,11 @@ def _validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"`--seed` (={cfg.seed!r}) must be an integer from 0 to 2**63 - 1")
     one_of("--dtype", cfg.dtype, DTYPES, why=_NOT_TRAINED, aliases=_DTYPE_ALIASES)
     one_of("--bn-stats", cfg.bn_stats, RUNNING_STATS)
+    one_of("--bn-mode", cfg.bn_mode, BATCHNORM_MODES)
+    if cfg.sync_bn and cfg.bn_mode != "train":
+        raise ConfigError(f"`--sync-bn` synchronises the batch statistics of train-mode BatchNorm, and with "
+                          f"`--bn-mode` (={cfg.bn_mode}) BatchNorm normalises with its running statistics, the same "
+                          "on every device: leave out one of the two")
     check_label_smoothing(cfg.label_smoothing, "--label-smoothing")
     _mix.check_alpha(cfg.mixup_alpha, "--mixup-alpha")
     _mix.check_alpha(cfg.cutmix_alpha, "--cutmix-alpha")
@@ -385,25 +394,28 @@ def _flags(cfg: TrainConfig) -> dict:
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
               "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
-              "seed", "sync_bn", "bn_stats", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume", "dtype",
+              "seed", "sync_bn", "bn_stats", "bn_mode", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume", "dtype",
               "ra_sampler", "ra_reps", "test_only", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
 
 
-def _min_per_device(image_size: int, sync_bn: bool, n_dev: int) -> int:
-    """The fewest images per device for which layer4's BatchNorm sees more than one value per channel."""
+def _min_per_device(image_size: int, sync_bn: bool, n_dev: int, bn_mode: str = "train") -> int:
+    """The fewest images per device for which layer4's BatchNorm sees more than one value per
+    channel (any number in eval mode, which takes no batch statistics)."""
+    if bn_mode != "train":
+        return 1
     return 1 if layer4_side(image_size) ** 2 * (n_dev if sync_bn else 1) >= 2 else 2
 
 
 def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n_dev: int,
-                              resumed_devices: int | None = None) -> None:
+                              resumed_devices: int | None = None, bn_mode: str = "train") -> None:
     """Refuse, before compiling, a step whose BatchNorm at layer4 sees one value per channel.
 
     `resumed_devices`: the device count of the checkpoint's run when this run resumes one (0 if
     unknown). A resumed run keeps the checkpoint's batch and image size (--resume refuses
     others), so only --sync-bn or the device count can fix it there."""
-    if per_device >= _min_per_device(image_size, sync_bn, n_dev):
+    if per_device >= _min_per_device(image_size, sync_bn, n_dev, bn_mode):
         return
     side = layer4_side(image_size)
     sync = [] if sync_bn or n_dev == 1 else ["--sync-bn"]
@@ -437,7 +449,7 @@ def _check_auto_batch_fits_data(cfg: TrainConfig, total: int, n_dev: int) -> Non
     epoch = (f"an epoch under `--ra-sampler` ({num_examples} of the {total} training images, rounded down to a "
              "multiple of 256 as torchvision's RASampler does)" if cfg.ra_sampler else
              f"the training set ({num_examples} images)")
-    low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev)
+    low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode)
     if num_examples >= low * n_dev:
         return
     if num_examples < n_dev:
@@ -560,12 +572,13 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 # checkpoint so the change is said, never silent. Those that fix the optimizer state's structure
 # change only where it stays the same (`_check_optimizer_state`).
 # (--train-crop-size is not: it is the run's --image-size, which a resume must keep.)
-_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "label_smoothing",
+_RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "bn_mode",
+              "label_smoothing",
               "mixup_alpha", "cutmix_alpha", "dtype", "model_ema", "model_ema_steps", "model_ema_decay",
               *(k for k in _presets.DEFAULTS if k != "train_crop_size"))
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too (and one with the same values, silently).
-_BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+_BEFORE_RECORDED = {"bn_stats": "mean", "bn_mode": "train", "label_smoothing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
                     **_recipe.DEFAULTS,
                     **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")},
                     # (not the held-out sizes: earlier runs derived them from --image-size, unrecorded)
@@ -573,11 +586,12 @@ _BEFORE_RECORDED = {"bn_stats": "mean", "label_smoothing": 0.0, "mixup_alpha": 0
 
 
 def _step_options(cfg: TrainConfig) -> dict:
-    """`make_train_step`'s options for the run: the running statistics kept, the loss's label
-    smoothing, and MixUp and CutMix (whose draws come from `--seed`). One place, so that the
-    steps `--batch-size auto` and the out-of-memory advice measure are the one that trains."""
-    return {"running_stats": cfg.bn_stats, "label_smoothing": cfg.label_smoothing, "mixup_alpha": cfg.mixup_alpha,
-            "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed}
+    """`make_train_step`'s options for the run: the running statistics kept, BatchNorm's mode,
+    the loss's label smoothing, and MixUp and CutMix (whose draws come from `--seed`). One
+    place, so that the steps `--batch-size auto` and the out-of-memory advice measure are the
+    one that trains."""
+    return {"running_stats": cfg.bn_stats, "batchnorm": cfg.bn_mode, "label_smoothing": cfg.label_smoothing,
+            "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed}
 
 
 # A process that calls `train` again (a notebook's reruns, a resumed run, a test suite) gets the
@@ -1010,6 +1024,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     if cfg.bn_stats != "mean" and cfg.sync_bn:
         say(f"--bn-stats {cfg.bn_stats} is not used (with --sync-bn every device's running statistics are the same "
             "already)")
+    if cfg.bn_stats != "mean" and cfg.bn_mode != "train":
+        say(f"--bn-stats {cfg.bn_stats} is not used (with --bn-mode {cfg.bn_mode} the running statistics stay as "
+            "they are)")
     if cfg.devices and cfg.devices > jax.device_count():  # the slice below would silently take fewer
         raise ConfigError(f"`devices` (={cfg.devices}) is more than the {jax.device_count()} device(s) jax sees; "
                           f"use at most {jax.device_count()}, or None for all of them")
@@ -1069,7 +1086,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         cap = _epoch_images(cfg, data.train.num_examples) // n_dev
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
                                                  max_per_device=min(256, cap), log=say,
-                                                 min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev))
+                                                 min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode))
         # Each process measured its own devices; the step is one program, so all take the smallest.
         agreed = _distributed.agree_min(per_device_batch)
         if agreed != per_device_batch:
@@ -1090,7 +1107,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                                  "so no step; add training images, or leave out --ra-sampler"))
         raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
     _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev,
-                              None if resumed_step is None else _recorded_devices(resumed_meta))
+                              None if resumed_step is None else _recorded_devices(resumed_meta), cfg.bn_mode)
     tx, step_fn, evaluate = _programs(model, mesh, _recipe_key(cfg), steps_per_epoch,
                                       tuple(sorted(_step_options(cfg).items())), (make_train_step, make_eval_step))
     state = create_state(variables, tx, mesh)
@@ -1449,7 +1466,7 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
         failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
                                      max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,
-                                     min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev))
+                                     min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode))
     except _memory.OutOfMemoryError as e:  # not even one image per device
         return _memory.OutOfMemoryError(f"{where}; {e}")
     except Exception:  # noqa: BLE001 - the hint is best effort
