@@ -3,6 +3,7 @@ back to torch, and show torch and JAX agree on its predictions.
 
     python examples/finetune_ported_resnet.py                     # about 2 minutes on 2 CPU cores
     python examples/finetune_ported_resnet.py --checkpoint resnet18-f37072fd.pth  # real ImageNet weights
+    python examples/finetune_ported_resnet.py --checkpoint r.pth --bn-mode frozen  # BatchNorm as FrozenBatchNorm2d
     python examples/finetune_ported_resnet.py --image-size 16 --max-steps 4       # smoke run (tests)
 
 Runs on every local device (set JAX_NUM_CPU_DEVICES=8 before starting to simulate 8 on a CPU).
@@ -33,11 +34,14 @@ def main():
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--bn-mode", default="train", choices=["train", "eval", "frozen"],
+                   help="BatchNorm while fine-tuning: train (model.train()), eval (bn.eval(): running statistics kept, "
+                        "scales and biases trained) or frozen (FrozenBatchNorm2d) (default: train)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (smoke runs)")
     p.add_argument("--workdir", default=None, help="where the run and model.pt go (default: a new temp dir)")
     args = p.parse_args()
     settings = dict(arch="resnet18", epochs=args.epochs, image_size=args.image_size, batch_size=64, lr=args.lr,
-                    max_steps=args.max_steps, progress=sys.stderr.isatty())
+                    bn_mode=args.bn_mode, max_steps=args.max_steps, progress=sys.stderr.isatty())
     # train() checks its settings, but only after step 1 wrote a 47 MB torch checkpoint: a bad
     # flag left it behind. They are checked before anything is written.
     TrainConfig(workdir=os.path.join(args.workdir or tempfile.gettempdir(), "run"), **settings).validate()

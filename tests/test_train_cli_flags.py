@@ -96,7 +96,8 @@ ARCHS = ("resnet18, resnet34, resnet50, resnet101, resnet152, resnext50_32x4d, r
                           "training: bfloat16 is the half-precision one); did you mean --dtype bfloat16?"),
     (["--bn-stats", "frist"], "`--bn-stats` (='frist') must be one of mean, first; did you mean --bn-stats first?"),
     (["--bn-stats", "avg"], "`--bn-stats` (='avg') must be one of mean, first"),
-    (["--bn-mode", "frozn"], "`--bn-mode` (='frozn') must be one of train, eval, frozen; did you mean --bn-mode frozen?"),
+    (["--bn-mode", "frozn"], "`--bn-mode` (='frozn') must be one of train, eval, frozen; did you mean --bn-mode "
+                             "frozen?"),
     (["--bn-mode", "eval", "--sync-bn"], "`--sync-bn` synchronises the batch statistics of train-mode BatchNorm, and "
                                          "with `--bn-mode` (=eval) BatchNorm normalises with its running statistics, "
                                          "the same on every device: leave out one of the two"),

@@ -16,8 +16,9 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_finetune_example_exports_a_model_torch_agrees_with(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "JAXPORT_CACHE": str(tmp_path / "cache"), "JAX_NUM_CPU_DEVICES": "2"}
+    # --bn-mode eval: the example's other settings are train()'s defaults, which other tests run
     proc = subprocess.run([sys.executable, str(REPO / "examples" / "finetune_ported_resnet.py"), "--image-size", "16",
-                           "--max-steps", "4", "--workdir", str(tmp_path)],
+                           "--max-steps", "4", "--bn-mode", "eval", "--workdir", str(tmp_path)],
                           capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "re-initialising fc (1000 -> 10 outputs)" in proc.stderr

@@ -128,9 +128,9 @@ def test_too_few_images_for_the_sampler_and_reps_without_it_are_told(tmp_path):
         train(TrainConfig(workdir=str(tmp_path / "b"), data=str(tmp_path / "few"), image_size=16, batch_size=8,
                           ra_sampler=True, workers=0, progress=False), log=lambda m: None)
     # --batch-size auto said "the training set (0 images)" of a folder holding 24
-    with pytest.raises(ConfigError, match=r"`--batch-size auto`: an epoch under `--ra-sampler` \(0 of the (\d+) training "
-                                          r"images, rounded down to a multiple of 256 .*\) has fewer images than the 2 "
-                                          r"devices.*; add training images, or leave out --ra-sampler$"):
+    with pytest.raises(ConfigError, match=r"`--batch-size auto`: an epoch under `--ra-sampler` \(0 of the (\d+) "
+                                          r"training images, rounded down to a multiple of 256 .*\) has fewer images "
+                                          r"than the 2 devices.*; add training images, or leave out --ra-sampler$"):
         train(TrainConfig(workdir=str(tmp_path / "e"), data=str(tmp_path / "few"), image_size=16, batch_size="auto",
                           ra_sampler=True, devices=2, workers=0, progress=False), log=lambda m: None)
     messages = []

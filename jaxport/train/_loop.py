@@ -27,8 +27,8 @@ from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _ema, _memory, _mix, _presets, _recipe
 from ._init import fit_head, load_init
-from ._step import (BATCHNORM_MODES, RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, make_eval_step, make_mesh,
-                    make_train_step, replicate, shard_batch)
+from ._step import (BATCHNORM_MODES, RUNNING_STATS, check_batch_size, check_label_smoothing, create_state,
+                    make_eval_step, make_mesh, make_train_step, replicate, shard_batch)
 
 FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
 FINAL_EMA = _checkpoint.FINAL_EMA
@@ -394,7 +394,8 @@ def _flags(cfg: TrainConfig) -> dict:
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
     shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
               "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
-              "seed", "sync_bn", "bn_stats", "bn_mode", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume", "dtype",
+              "seed", "sync_bn", "bn_stats", "bn_mode", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume",
+              "dtype",
               "ra_sampler", "ra_reps", "test_only", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "num_processes")
     flags = {("devices" if k == "devices" else "--" + k.replace("_", "-")): getattr(cfg, k) for k in shared}
     return flags | {"--data given": cfg.data is not None, "--init given": cfg.init is not None}
@@ -578,7 +579,8 @@ _RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sy
               *(k for k in _presets.DEFAULTS if k != "train_crop_size"))
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too (and one with the same values, silently).
-_BEFORE_RECORDED = {"bn_stats": "mean", "bn_mode": "train", "label_smoothing": 0.0, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
+_BEFORE_RECORDED = {"bn_stats": "mean", "bn_mode": "train", "label_smoothing": 0.0, "mixup_alpha": 0.0,
+                    "cutmix_alpha": 0.0,
                     **_recipe.DEFAULTS,
                     **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")},
                     # (not the held-out sizes: earlier runs derived them from --image-size, unrecorded)
@@ -1084,9 +1086,9 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
         limit = _memory_for_steps(cfg, variables, say)
         cap = _epoch_images(cfg, data.train.num_examples) // n_dev
+        low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode)
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
-                                                 max_per_device=min(256, cap), log=say,
-                                                 min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode))
+                                                 max_per_device=min(256, cap), log=say, min_per_device=low)
         # Each process measured its own devices; the step is one program, so all take the smallest.
         agreed = _distributed.agree_min(per_device_batch)
         if agreed != per_device_batch:
