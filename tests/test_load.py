@@ -900,11 +900,12 @@ def test_a_legacy_file_cut_inside_its_magic_number_is_called_truncated(tmp_path,
 
 def test_an_unwritable_cache_for_the_default_checkpoint_names_the_way_out(tmp_path, monkeypatch):
     """It said only "No such file or directory: '.../resnet50_dataparallel_cuda.pth.tar'"."""
-    from torch_compat import _default
+    from torch_compat import _default, _reference
 
     built = []
-    # The ~2 s build came before the write was tried, so the error waited for it.
-    monkeypatch.setattr(_default, "reference_model", lambda arch, seed: built.append(arch) or nn.Linear(2, 2))
+    # The ~2 s build came before the write was tried, so the error waited for it. (`_default`
+    # imports `reference_model` as it builds: torchvision is not imported before.)
+    monkeypatch.setattr(_reference, "reference_model", lambda arch, seed: built.append(arch) or nn.Linear(2, 2))
     (tmp_path / "file").write_text("not a directory")
     monkeypatch.setenv("JAXPORT_CACHE", str(tmp_path / "file" / "cache"))
     with pytest.raises(CheckpointError, match=r"cannot write the embedded default checkpoint to '.*file/cache/resnet50"
