@@ -273,8 +273,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     they are, and the scales and biases still train; `"frozen"` as torchvision's
     `FrozenBatchNorm2d`: eval mode, and the scales and biases are fixed too. A frozen layer's
     scale and bias are buffers in torch, not parameters: they take no part in `tx` (no update,
-    no weight decay, and a zero gradient, so `optax.clip_by_global_norm` measures the others
-    alone), though `tx` keeps state for them. With "eval" or "frozen", `running_stats` and the
+    no weight decay, and a zero gradient, so a clip's global norm, `torch_compat.optim.
+    clip_grad_norm`'s as torch's `clip_grad_norm_`, measures the others alone), though `tx`
+    keeps state for them. With "eval" or "frozen", `running_stats` and the
     model's `bn_axis_name` change nothing, and one image per device is enough at any size.
 
     Gradient clipping, param groups and frozen parameters belong in `tx` (see
