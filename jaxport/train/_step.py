@@ -34,6 +34,7 @@ from .._args import is_int, is_real, one_of
 from .._errors import ConfigError
 from .._xla import compiler_options
 from . import _mix
+from ._recipe import norm_labels
 
 AXIS = "data"
 
@@ -321,10 +322,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
             if model.bn_axis_name is None and batchnorm == "train":
                 batch_stats = _agree_running_stats(batch_stats, running_stats)
         if batchnorm == "frozen":
-            grads = _zero_batchnorm(grads, state.batch_stats)
+            grads = _zero_norms(grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         if batchnorm == "frozen":
-            updates = _zero_batchnorm(updates, state.batch_stats)
+            updates = _zero_norms(updates)
         params = optax.apply_updates(state.params, updates)
         metrics = {
             "loss": jax.lax.pmean(loss, AXIS),
@@ -345,17 +346,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     return _Donating(jitted) if donate else jitted
 
 
-def _zero_batchnorm(tree, batch_stats):
-    """`tree` (shaped as the params) with zeros for every BatchNorm's scale and bias: the layers
-    that hold running statistics in `batch_stats`, at the same path."""
-    def zero(path, x):
-        keys = [getattr(k, "key", k) for k in path]
-        layer = batch_stats
-        for k in keys[:-1]:
-            layer = layer.get(k) if isinstance(layer, Mapping) else None
-        return jnp.zeros_like(x) if isinstance(layer, Mapping) and "mean" in layer else x
-
-    return jax.tree_util.tree_map_with_path(zero, tree)
+def _zero_norms(tree):
+    """`tree` (shaped as the params) with zeros for every BatchNorm's scale and bias: the
+    parameters `--norm-weight-decay` groups (`_recipe.norm_labels`)."""
+    return jax.tree.map(lambda x, label: jnp.zeros_like(x) if label == "norm" else x, tree, norm_labels(tree))
 
 
 class _Donating:
