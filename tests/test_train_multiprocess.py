@@ -19,6 +19,8 @@ from jaxport._io import flatten
 from jaxport.train import load_workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Its `sitecustomize.py` lets both processes of a run read what earlier runs compiled (see its docstring).
+SITE = os.path.join(ROOT, "tests", "two_process_site")
 ARGS = ["--arch", "resnet18", "--image-size", "16", "--batch-size", "16", "--epochs", "1", "--max-steps", "1",
         "--checkpoint-every", "1000", "--no-progress", "--sync-bn"]
 
@@ -30,7 +32,7 @@ def _free_port():
 
 
 def _env(devices):
-    return dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=ROOT)
+    return dict(os.environ, JAX_NUM_CPU_DEVICES=str(devices), PYTHONPATH=os.pathsep.join([SITE, ROOT]))
 
 
 @pytest.mark.slow
