@@ -796,7 +796,8 @@ def _leave_at_once(code: int) -> None:
 
 # The commands that import torch (through torch_compat) as they start.
 _TORCH_COMMANDS = ("port", "verify", "export", "env")
-# ... and torchvision: to cross-check, to build the embedded default, to report its version.
+# ... and torchvision: to cross-check, to build the embedded default (not to port it once built),
+# to report its version.
 # `port CHECKPOINT` and `export` convert only, and torch_compat leaves torchvision (~1.4 s) out.
 _TORCHVISION_COMMANDS = ("verify", "env")
 # What `train` imports as it reads an image folder (torchvision's transforms, PIL's decoders) or
@@ -807,13 +808,24 @@ _DATA_MODULES = ("torch", "torch.utils.data", "torchvision.transforms", "PIL.Ima
 def _modules_for(args: argparse.Namespace) -> tuple[str, ...]:
     """The extension-heavy modules the command will import, to import while signals are held."""
     command = getattr(args, "command", None)
-    if command in _TORCHVISION_COMMANDS or (command == "port" and (args.verify or args.checkpoint is None)):
+    if command in _TORCHVISION_COMMANDS or (command == "port" and (args.verify or (
+            args.checkpoint is None and not _default_is_built()))):
         return ("torch", "torchvision")
     if command in _TORCH_COMMANDS:
         return ("torch",)
     if command == "train" and getattr(args, "data", None):
         return _DATA_MODULES  # torch among them, for --init too
     return ("torch",) if command == "train" and getattr(args, "init", None) else ()
+
+
+def _default_is_built() -> bool:
+    """Whether `port` of the embedded default finds it in the cache, and so needs no torchvision."""
+    try:
+        from torch_compat import _default
+
+        return (_default.cache_dir() / _default.FILENAME).exists()
+    except Exception:  # a broken torch or an unknown home directory is the command's to report
+        return False
 
 
 def _main(argv: Sequence[str] | None) -> int:

@@ -146,5 +146,5 @@ def test_commands_import_torch_while_signals_are_held(argv, module, tmp_path):
     argv = [{"W": str(tmp_path / "w"), "X": str(tmp_path / "anything")}.get(a, a) for a in argv]
     code = _RECORD_HOLD_AT_IMPORT.format(module=module, argv=argv)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env={**os.environ, "PYTHONPATH": str(REPO), "JAXPORT_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0 and "_signals_held" in proc.stdout, (proc.stdout, proc.stderr[-2000:])

@@ -1,4 +1,5 @@
 """Data flows one way: the JAX side never imports torch; only torch_compat does."""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -78,13 +79,14 @@ def test_every_public_name_of_jaxport_train_resolves():
 
 def test_torch_compat_loads_torchvision_only_for_the_names_that_build_its_models(tmp_path):
     """Importing torchvision costs ~1.4 s (torchvision.ops pulls in torch._dynamo), which every
-    `jaxport export`, `jaxport port CHECKPOINT` and `jaxport train --init` paid though none of
-    them builds a torchvision model. Here they run in one fresh process, which then checks that
+    `jaxport export`, `jaxport port CHECKPOINT`, `jaxport port` of the built embedded default and
+    `jaxport train --init` paid though none of them builds a torchvision model. Here they run in one fresh process, which then checks that
     torchvision never arrived, and that the names that do need it still resolve."""
     import torch
     import torchvision
 
     import torch_compat
+    from torch_compat import _default
 
     eager = {n for n in torch_compat.__all__ if n not in torch_compat._LAZY}
     assert set(torch_compat._LAZY) <= set(torch_compat.__all__) and eager
@@ -94,19 +96,23 @@ def test_torch_compat_loads_torchvision_only_for_the_names_that_build_its_models
     assert torch_compat.cross_check is torch_compat._crosscheck.cross_check
 
     torch.save(torchvision.models.resnet18(num_classes=7).state_dict(), tmp_path / "r18.pth")
+    # `port` with no checkpoint needs torchvision to build the embedded default, not to port it once built.
+    _default.default_checkpoint(tmp_path / "cache" / _default.FILENAME)
     code = (
         "import sys\n"
         "from jaxport._cli import main\n"
         f"d = {str(tmp_path)!r}\n"
         "assert main(['port', d + '/r18.pth', '--out', d + '/r18.safetensors']) == 0\n"
         "assert main(['export', d + '/r18.safetensors', '--arch', 'resnet18', '--out', d + '/back.pt']) == 0\n"
+        "assert main(['port', '--out', d + '/default.safetensors']) == 0\n"
         "import torch_compat\n"
         f"assert sorted(n for n in torch_compat.__all__ if n in vars(torch_compat)) == {sorted(eager)!r}\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'torchvision')\n"
         "assert not bad, bad[:10]\n"
         "torch_compat.reference_model\n"
         "assert 'torchvision' in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "JAXPORT_CACHE": str(tmp_path / "cache")})
     assert proc.returncode == 0, proc.stderr[-2000:]
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     model = torchvision.models.resnet18(num_classes=7)
