@@ -166,10 +166,14 @@ def _run_two(tmp_path, per_process, timeout=300):
 
 def _clean_stop(results, pattern):
     """Every process exits 2 with one error line matching `pattern`: no Python traceback, no C++
-    abort (jax's heartbeat/shutdown timeouts end in 'Check failure stack trace')."""
+    abort (jax's heartbeat/shutdown timeouts end in 'Check failure stack trace'), no second
+    error, and no "leaked semaphore objects" from Python's resource tracker (a process stopped
+    by the others' failure leaves by os._exit: `_distributed._end_children`)."""
     for i, (rc, err) in enumerate(results):
         assert rc == 2, (i, err[-3000:])
         assert "Traceback" not in err and "Check failure" not in err, (i, err[-3000:])
+        assert "resource_tracker" not in err and len(re.findall(r"(?m)^jaxport: (internal )?error", err)) == 1, (
+            i, err[-3000:])
         assert re.search(pattern, err), (i, err[-3000:])
 
 

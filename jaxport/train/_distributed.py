@@ -396,6 +396,7 @@ def _exit_together(client, code: int, gone: frozenset[int] = frozenset()) -> Non
     """os._exit(code); process 0 last, since it hosts the service (the others abort in C++
     when it disappears first) and the store the others may still be reading. Process 0 does
     not wait for the processes `gone` (killed: they will never say they exit)."""
+    _end_children()
     sys.stdout.flush()
     sys.stderr.flush()
     me, n = _layout()
@@ -413,6 +414,21 @@ def _exit_together(client, code: int, gone: frozenset[int] = frozenset()) -> Non
             break
         time.sleep(0.1)
     os._exit(code)
+
+
+def _end_children() -> None:
+    """What a normal exit does for `multiprocessing` and os._exit skips: the semaphores of the
+    DataLoader workers' queues unlinked. Skipped, a process stopped by another's failure
+    mid-epoch printed "resource_tracker: There appear to be 28 leaked semaphore objects to clean
+    up at shutdown" after its error line (Python's tracker process, once the workers had gone).
+    The workers are not killed here: torch's SIGCHLD handler would raise in the main thread,
+    which printed an internal error beside the real one. They exit by themselves within ~5 s of
+    this process (torch's watchdog of the parent)."""
+    if "multiprocessing" in sys.modules:
+        from multiprocessing import util
+
+        with contextlib.suppress(Exception):
+            util._run_finalizers(0)  # exit's first stage (`util._exit_function`): the semaphores' unlinks
 
 
 def watch_for_failures() -> None:
