@@ -80,8 +80,9 @@ def test_every_public_name_of_jaxport_train_resolves():
 def test_torch_compat_loads_torchvision_only_for_the_names_that_build_its_models(tmp_path):
     """Importing torchvision costs ~1.4 s (torchvision.ops pulls in torch._dynamo), which every
     `jaxport export`, `jaxport port CHECKPOINT`, `jaxport port` of the built embedded default and
-    `jaxport train --init` paid though none of them builds a torchvision model. Here they run in one fresh process, which then checks that
-    torchvision never arrived, and that the names that do need it still resolve."""
+    `jaxport train --init` paid though none of them builds a torchvision model. Here they run in
+    one fresh process, which then checks that torchvision never arrived, and that the names that
+    do need it still resolve."""
     import torch
     import torchvision
 
