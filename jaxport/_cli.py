@@ -823,7 +823,7 @@ def _default_is_built() -> bool:
     try:
         from torch_compat import _default
 
-        return (_default.cache_dir() / _default.FILENAME).exists()
+        return _default.default_path().exists()
     except Exception:  # a broken torch or an unknown home directory is the command's to report
         return False
 

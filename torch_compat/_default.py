@@ -34,15 +34,20 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxport"
 
 
+def default_path() -> Path:
+    """Where `default_checkpoint()` keeps the default: `cache_dir() / FILENAME`."""
+    return cache_dir() / FILENAME
+
+
 def default_checkpoint(path: str | os.PathLike | None = None, *, rebuild: bool = False) -> Path:
     """Path of the default checkpoint, building it first if it is not there (about 2 s).
 
     Args:
-      path: where to keep it; default `cache_dir() / FILENAME`.
+      path: where to keep it; default `default_path()`.
       rebuild: build it again even if the file exists.
     """
     given = path is not None
-    path = Path(path) if given else cache_dir() / FILENAME
+    path = Path(path) if given else default_path()
     if path.exists() and not rebuild:
         return path
     try:
