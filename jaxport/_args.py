@@ -96,3 +96,18 @@ def shell_word(path: str | os.PathLike) -> str:
     command an error or hint tells the user to run."""
     text = str(path)
     return shlex.quote(f"./{text}" if text.startswith("-") else text)
+
+
+# torchvision's weights names, as `torchvision.models.get_weight` takes them: `ResNet50_Weights.IMAGENET1K_V2`.
+# Matched without case, so that a misspelt case gets torch_compat's "did you mean".
+_WEIGHTS_NAME = re.compile(r"[a-z]\w*_weights\.[a-z]\w*", re.IGNORECASE)
+
+
+def names_a_download(text: str | os.PathLike) -> bool:
+    """Whether a checkpoint argument is an http(s) URL or a torchvision weights name, which
+    `torch_compat.download_checkpoint` fetches, rather than a path. An existing file of that
+    name is a path. (Here, not in torch_compat: deciding imports no torch.)"""
+    text = os.fspath(text) if isinstance(text, os.PathLike) else text
+    if not isinstance(text, str) or os.path.lexists(text):
+        return False
+    return text.startswith(("http://", "https://")) or _WEIGHTS_NAME.fullmatch(text) is not None

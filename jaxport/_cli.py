@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from ._abandoned_reads import ABANDONED_READS, is_abandoned_read, quiet_abandoned_reads
-from ._args import shell_word
+from ._args import names_a_download, shell_word
 from ._parser import Parser, shown
 from ._errors import ConfigError, JaxportError
 
@@ -76,6 +76,16 @@ def _load_checkpoint(path: str, args):
                   + (f" ({describe_keys(dropped)})" if dropped else ""))
         state_dict = kept
     return state_dict, dilation
+
+
+def _local_checkpoint(spec: str) -> str:
+    """`spec`, or for an http(s) URL or a torchvision weights name (ResNet50_Weights.IMAGENET1K_V2),
+    the file it downloads to, once, in torch's cache (`torch_compat.download_checkpoint`)."""
+    if not names_a_download(spec):
+        return spec
+    from torch_compat import download_checkpoint
+
+    return str(download_checkpoint(spec, progress=sys.stderr.isatty()))
 
 
 def _loading_flags(args) -> str:
@@ -295,7 +305,7 @@ def _cmd_port(args) -> int:
             print(f"checkpoint: {ckpt} ({_default.DESCRIPTION})")
         else:
             step("checking the checkpoint")
-            ckpt = Path(args.checkpoint)
+            ckpt = Path(_local_checkpoint(args.checkpoint))
             print(f"checkpoint: {ckpt}")
             if ckpt.is_dir():  # said as such, before the output checks below take `.` for a training workdir
                 from torch_compat._load import sniff
@@ -353,6 +363,7 @@ def _cmd_verify(args) -> int:
 
     from ._io import load_with_metadata
 
+    args.checkpoint = _local_checkpoint(args.checkpoint)  # the file's path from here on, in every message
     state_dict, dilation = _load_checkpoint(args.checkpoint, args)
     variables, arch = None, None if args.arch == "auto" else args.arch
     differences = []
@@ -614,8 +625,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("port", help="convert a torch checkpoint to Flax variables (safetensors)",
                        description="Convert a torch checkpoint to Flax variables. With no CHECKPOINT, ports an "
                                    "embedded default ResNet-50 saved like a GPU DataParallel run.")
-    p.add_argument("checkpoint", nargs="?", help="any torch.save file (.pt, .pth, .bin, .tar, .ckpt, ...) or .safetensors "
-                                                    "(default: the embedded ResNet-50)")
+    p.add_argument("checkpoint", nargs="?",
+                   help="any torch.save file (.pt, .pth, .bin, .tar, .ckpt, ...) or .safetensors; or torchvision's "
+                        "weights by name (ResNet50_Weights.IMAGENET1K_V2) or URL, downloaded once into torch's cache "
+                        "(default: the embedded ResNet-50)")
     p.add_argument("--out", help="output file (default: <checkpoint name>.safetensors in the current directory, "
                                  "<name>.flax.safetensors for a .safetensors checkpoint)")
     p.add_argument("--verify", action="store_true", help="cross-check against torchvision and print the per-stage table")
@@ -636,7 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the torchvision model and the Flax port on the same random images and "
                                    "print, per stage, the max absolute and relative error; exit 1 if a stage is "
                                    "beyond tolerance.")
-    p.add_argument("checkpoint", help="the torch checkpoint: any torch.save file or .safetensors")
+    p.add_argument("checkpoint", help="the torch checkpoint: any torch.save file or .safetensors, or torchvision's "
+                                      "weights by name (ResNet50_Weights.IMAGENET1K_V2) or URL, as `port` takes")
     p.add_argument("variables", nargs="?", help="ported variables to check (default: convert the checkpoint afresh)")
     p.add_argument("--mode", choices=("eval", "train", "both"), default="both",
                    help="eval: stem, layer1..4, pooled features, logits; train: also every BatchNorm's updated "
@@ -809,13 +823,18 @@ def _modules_for(args: argparse.Namespace) -> tuple[str, ...]:
     """The extension-heavy modules the command will import, to import while signals are held."""
     command = getattr(args, "command", None)
     if command in _TORCHVISION_COMMANDS or (command == "port" and (args.verify or (
-            args.checkpoint is None and not _default_is_built()))):
+            args.checkpoint is None and not _default_is_built()) or _names_weights(args.checkpoint))):
         return ("torch", "torchvision")
     if command in _TORCH_COMMANDS:
         return ("torch",)
     if command == "train" and getattr(args, "data", None):
         return _DATA_MODULES  # torch among them, for --init too
     return ("torch",) if command == "train" and getattr(args, "init", None) else ()
+
+
+def _names_weights(checkpoint: str | None) -> bool:
+    """A torchvision weights name, whose URL only torchvision knows."""
+    return checkpoint is not None and names_a_download(checkpoint) and "://" not in checkpoint
 
 
 def _default_is_built() -> bool:

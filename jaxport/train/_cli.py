@@ -217,7 +217,8 @@ def add_parser(subparsers) -> None:
                         "--init's, or with --resume the latest checkpoint in --workdir (its EMA with --model-ema); "
                         "nothing is trained or written")
     p.add_argument("--init", default=None, metavar="PATH",
-                   help="starting weights: torch checkpoint, .safetensors, or a workdir (not read when --resume "
+                   help="starting weights: torch checkpoint, .safetensors, or a workdir; or torchvision's weights "
+                        "by name (ResNet50_Weights.IMAGENET1K_V2) or URL, downloaded once (not read when --resume "
                         "finds a checkpoint) (default: a fresh initialisation from --seed)")
     p.add_argument("--trusted", action="store_true",
                    help="allow a full unpickle of the --init checkpoint (runs code from the file): only for files you trust")

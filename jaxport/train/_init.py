@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Callable
 
 import jax
 import numpy as np
 
+from .._args import names_a_download
 from .._errors import CheckpointError, ConfigError, ConversionError
 from .._io import holds_variables, load_with_metadata
 
@@ -19,10 +21,12 @@ def _flat(tree, prefix=()):
             yield prefix + (k,), v
 
 
-def load_init(path: str, arch: str, trusted: bool = False) -> dict:
+def load_init(path: str, arch: str, trusted: bool = False, say: Callable[[str], None] = print) -> dict:
     """Flax variables from a `jaxport train` workdir, a jaxport variables file (.safetensors)
     or a torch checkpoint (torch_compat's safe loader: `.pt`/`.pth`/`.bin`, or a `.safetensors`
-    file of torch keys such as the hubs publish), as numpy.
+    file of torch keys such as the hubs publish), as numpy. A torchvision weights name
+    ('ResNet50_Weights.IMAGENET1K_V2') or an http(s) URL is downloaded first, once, into torch's
+    cache (`torch_compat.download_checkpoint`; `say` reports it).
 
     `trusted` allows a full unpickle of a torch checkpoint (`--trusted`), as `jaxport port`.
 
@@ -32,6 +36,10 @@ def load_init(path: str, arch: str, trusted: bool = False) -> dict:
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"`--init` (={path!r}) must be a path: a torch checkpoint, a .safetensors file or a workdir")
     path = os.fspath(path)  # a pathlib.Path failed at `path.endswith` below
+    if names_a_download(path):
+        import torch_compat
+
+        path = os.fspath(torch_compat.download_checkpoint(path, progress=sys.stderr.isatty(), log=say))
     if not os.path.exists(path):
         raise CheckpointError(f"`--init` (={path}) does not exist")
     if os.path.isdir(path):

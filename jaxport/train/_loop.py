@@ -655,7 +655,7 @@ def _test_only(cfg: TrainConfig, data: _data.Data, say: Callable[[str], None]) -
                               f"has {_names(data.classes)}: its outputs would mean other labels; evaluate it on its "
                               "own --data")
     else:
-        variables = load_init(cfg.init, cfg.arch, cfg.trusted)
+        variables = load_init(cfg.init, cfg.arch, cfg.trusted, say=say)
         what = f"--init {cfg.init}"
     head = np.shape(variables.get("params", {}).get("fc", {}).get("kernel", ()))
     if head[1:] != (data.num_classes,):
@@ -1063,7 +1063,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     else:
         variables = jax.tree.map(np.asarray, _jitted_init(model)(jax.random.key(cfg.seed), image))
     if cfg.init and not placeholder:
-        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted), variables, say, cfg.arch)
+        variables = fit_head(load_init(cfg.init, cfg.arch, cfg.trusted, say=say), variables, say, cfg.arch)
     if n_proc > 1:  # what the flags cannot show: each process reads its own copy of --data and --init
         _distributed.check_same_settings({
             "--resume (latest checkpoint step)": resumed_step,

@@ -1,0 +1,128 @@
+"""Checkpoints named by URL or by torchvision's weights name, downloaded once into torch's cache.
+
+`download_checkpoint("ResNet50_Weights.IMAGENET1K_V2")` is the file torchvision's
+`resnet50(weights=...)` loads: the same URL, the same place (`torch.hub.get_dir()/checkpoints`,
+so a file torchvision downloaded before is found there and not fetched again), and the same
+SHA-256 check against the digest prefix in the file's name. The download is torch.hub's own
+(`download_url_to_file`: a temporary file renamed into place once complete and checked, so an
+interrupted or corrupted download leaves nothing behind). Loading the file stays
+`load_state_dict`'s: weights-only, whatever its origin.
+"""
+from __future__ import annotations
+
+import difflib
+import http.client
+import os
+import re
+import urllib.error
+import urllib.parse
+from pathlib import Path
+from typing import Callable
+
+from jaxport._args import names_a_download
+from jaxport._errors import CheckpointError, ConfigError
+
+# torchvision names its downloads `<name>-<first 8 hex digits of the SHA-256>.pth`; torch.hub's
+# HASH_REGEX takes any run of hex digits there, which would also "check" `model-abc.pth`.
+_HASH = re.compile(r"-([a-f0-9]{8,})\.")
+
+
+def resnet_weights() -> dict[str, str]:
+    """Every torchvision weights name of the ResNet family ('ResNet50_Weights.IMAGENET1K_V2',
+    and '...DEFAULT' for each) -> its URL. Imports torchvision."""
+    from torchvision.models import get_model_weights
+
+    from jaxport.models import ARCHS
+
+    names = {}
+    for arch in ARCHS:
+        enum = get_model_weights(arch)
+        for w in enum:
+            names[f"{enum.__name__}.{w.name}"] = w.url
+        names[f"{enum.__name__}.DEFAULT"] = enum.DEFAULT.url
+    return names
+
+
+def _weights_url(name: str) -> str:
+    known = resnet_weights()
+    if name in known:
+        return known[name]
+    enum = name.split(".", 1)[0].lower()
+    same_enum = [k for k in known if k.lower().startswith(enum + ".")]
+    members = [k.split(".", 1)[1] for k in same_enum]
+    # The one meant: the same name in another case, or a near spelling within its enum (across
+    # enums, a near spelling would offer ResNet-18's weights for ViT's).
+    near = difflib.get_close_matches(name.lower(), [k.lower() for k in same_enum], n=1, cutoff=0.6)
+    guess = next((k for k in same_enum if near and k.lower() == near[0]), None)
+    if members:
+        enum = same_enum[0].split(".", 1)[0]
+        what = f"{enum} has {', '.join(members)}"
+    else:
+        listed = ", ".join(k for k in known if not k.endswith(".DEFAULT"))
+        what = (f"jaxport ports torchvision's ResNet family, whose weights are {listed}, and <Enum>.DEFAULT for "
+                "each")
+    hint = f"; did you mean {guess}?" if guess else ""
+    raise ConfigError(f"'{name}' is not a file, and not torchvision weights that jaxport ports: {what}{hint}")
+
+
+def download_checkpoint(name_or_url: str, *, progress: bool = True,
+                        log: Callable[[str], None] = print) -> Path:
+    """The local file of a checkpoint named by an http(s) URL or a torchvision weights name.
+
+    Args:
+      name_or_url: 'ResNet50_Weights.IMAGENET1K_V2' (any ResNet-family weights of torchvision,
+        '.DEFAULT' included) or a URL such as 'https://download.pytorch.org/models/resnet18-f37072fd.pth'.
+      progress: a progress bar on stderr while downloading.
+      log: where the one line saying what was downloaded (or found) goes.
+
+    Returns:
+      `torch.hub.get_dir()/checkpoints/<the URL's file name>` (set TORCH_HOME to move it),
+      downloaded first if it is not there. A file name ending in `-<8 or more hex digits>.<ext>`
+      (torchvision's) must match the download's SHA-256; a mismatch keeps nothing.
+
+    Raises:
+      ConfigError: not a URL and not a known weights name (the error lists the names).
+      CheckpointError: the download failed (offline, HTTP error, checksum) or the cache is not
+        writable; nothing partial is kept.
+    """
+    if not isinstance(name_or_url, str) or not names_a_download(name_or_url):
+        raise ConfigError(f"`name_or_url` (={name_or_url!r}) must be an http(s) URL or a torchvision weights name "
+                          "such as 'ResNet50_Weights.IMAGENET1K_V2'")
+    import torch.hub
+
+    is_url = name_or_url.startswith(("http://", "https://"))
+    url = name_or_url if is_url else _weights_url(name_or_url)
+    filename = os.path.basename(urllib.parse.unquote(urllib.parse.urlparse(url).path))
+    if not filename:
+        raise ConfigError(f"the URL '{url}' names no file (its path ends in '/'); give the URL of the checkpoint file")
+    cache = Path(torch.hub.get_dir()) / "checkpoints"
+    dst = cache / filename
+    origin = url if is_url else f"{name_or_url} ({url})"
+    if dst.is_file():
+        log(f"using {dst}, downloaded before from {origin}")
+        return dst
+    digest = _HASH.search(filename)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"cannot create torch's download cache '{cache}' ({e.strerror}); set TORCH_HOME to a "
+                              "writable directory, or download the file yourself and pass its path") from None
+    log(f"downloading {origin} to {dst}")
+    try:
+        torch.hub.download_url_to_file(url, str(dst), hash_prefix=digest.group(1) if digest else None,
+                                       progress=progress)
+    except urllib.error.HTTPError as e:
+        raise CheckpointError(f"cannot download '{url}': HTTP {e.code} {e.reason}; check the "
+                              f"{'URL' if is_url else 'weights name'}") from None
+    except urllib.error.URLError as e:  # no network, no such host, refused
+        raise CheckpointError(f"cannot download '{url}' ({e.reason}); is this machine offline? Download it where "
+                              f"the network is reachable and pass the file's path, or copy it to {dst}") from None
+    except RuntimeError as e:
+        if "invalid hash value" not in str(e):
+            raise
+        raise CheckpointError(f"the download of '{url}' is not the file its name promises ({e}); nothing was kept: "
+                              "try again (a proxy or a broken connection can alter a download)") from None
+    except (OSError, http.client.HTTPException) as e:  # a dropped connection, a full disk
+        raise CheckpointError(f"cannot download '{url}' to '{dst}' ({type(e).__name__}: {e}); nothing was kept: "
+                              "try again, or set TORCH_HOME to a directory with space") from None
+    return dst
