@@ -3,10 +3,13 @@
     python examples/port_resnet.py [CHECKPOINT] [--out resnet.safetensors] [--prefix encoder_q]
         [--backbone-only]
 
-With no CHECKPOINT it uses jaxport's embedded default (a ResNet-50 saved like a GPU
-DataParallel training run). No pretrained weights can be downloaded here, so the default's
-"prediction" is that of a randomly initialised (but BatchNorm-calibrated) network: the point
-is that torch and JAX make the same one. The photo is a real one that ships with scikit-learn.
+CHECKPOINT is a file, or torchvision's pretrained weights by name or URL
+(`ResNet50_Weights.IMAGENET1K_V2`, downloaded once into torch's cache): with those, the
+prediction is a real one. With no CHECKPOINT it uses jaxport's embedded default (a ResNet-50
+saved like a GPU DataParallel training run). No pretrained weights can be downloaded here, so
+the default's "prediction" is that of a randomly initialised (but BatchNorm-calibrated) network:
+the point is that torch and JAX make the same one. The photo is a real one that ships with
+scikit-learn.
 """
 import argparse
 import os
@@ -46,6 +49,8 @@ def main() -> int:
                              "`jaxport verify` (this example compares class predictions)")
     args = parser.parse_args()
     path = args.checkpoint or torch_compat.default_checkpoint()
+    if not os.path.exists(path) and (path.startswith(("http://", "https://")) or "_weights." in path.lower()):
+        path = str(torch_compat.download_checkpoint(path))  # torchvision's pretrained weights
     # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
     # writing over the checkpoint itself would destroy it.
     if os.path.exists(args.out) and os.path.exists(path) and os.path.samefile(args.out, path):

@@ -1,6 +1,9 @@
 """Reference objects and fixtures' building blocks shared by tests (cached per test process)."""
+import contextlib
 import functools
+import http.server
 import os
+import threading
 
 import numpy as np
 import torch_compat
@@ -45,3 +48,22 @@ def rel_errors(got: dict, want: dict) -> dict[str, float]:
     """Each state_dict entry's max |got - want| relative to want's largest magnitude (counters left out)."""
     return {k: float(np.max(np.abs(got[k] - want[k])) / max(np.max(np.abs(want[k])), 1e-30))
             for k in want if not k.endswith("num_batches_tracked")}
+
+
+@contextlib.contextmanager
+def serving(directory):
+    """An HTTP server on a free loopback port serving `directory`; yields its base URL."""
+    handler = functools.partial(_QuietHandler, directory=str(directory))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # not the test's output
+        pass

@@ -11,6 +11,7 @@ import torchvision
 
 import jaxport
 import torch_compat
+from tests.helpers import serving
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -52,6 +53,23 @@ def test_port_resnet_example(tmp_path):
     proc = _run_example("port_resnet.py", tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "same prediction: True" in proc.stdout
+
+
+def test_port_resnet_example_takes_torchvision_weights_by_name(tmp_path, monkeypatch, capsys):
+    """The real use: torchvision's pretrained weights, named as torchvision names them, downloaded
+    once (served here over loopback, at the URL torchvision would use), then a real prediction."""
+    served = tmp_path / "served"
+    served.mkdir()
+    torch.save(torch_compat.reference_model("resnet18", num_classes=1000, image_size=64).state_dict(),
+               served / "resnet18.pth")
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    with serving(served) as url:
+        monkeypatch.setattr(torchvision.models.ResNet18_Weights.IMAGENET1K_V1.value, "url", f"{url}/resnet18.pth")
+        proc = _run_example_here("port_resnet.py", tmp_path, monkeypatch, capsys, "ResNet18_Weights.IMAGENET1K_V1")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    hub = tmp_path / "torch_home" / "hub" / "checkpoints" / "resnet18.pth"
+    assert f"downloading ResNet18_Weights.IMAGENET1K_V1 ({url}/resnet18.pth) to {hub}" in proc.stdout, proc.stdout
+    assert f"{hub}: resnet18, 1000 classes" in proc.stdout and "same prediction: True" in proc.stdout, proc.stdout
 
 
 def test_port_resnet_example_takes_the_prefix_its_errors_name(tmp_path, monkeypatch, capsys):

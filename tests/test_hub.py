@@ -1,12 +1,8 @@
 """Checkpoints named by URL or torchvision weights name: downloaded once into torch's cache, then
 ported, verified and used as --init like any file. Served from this machine (loopback HTTP): no
 network is reachable here, and what matters is what jaxport does with what arrives."""
-import contextlib
-import functools
 import hashlib
-import http.server
 import os
-import threading
 
 import pytest
 import torch
@@ -18,26 +14,7 @@ from jaxport._args import names_a_download
 from jaxport._cli import main
 from jaxport._errors import CheckpointError, ConfigError
 from jaxport.train._init import load_init
-from tests.helpers import reference
-
-
-@contextlib.contextmanager
-def _serving(directory):
-    """An HTTP server on a free loopback port serving `directory`; yields its base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(directory))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args):  # not the test's output
-        pass
+from tests.helpers import reference, serving
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +28,7 @@ def served(tmp_path_factory):
     name = f"resnet18-{hashlib.sha256(data).hexdigest()[:8]}.pth"
     (root / "tmp.pth").rename(root / name)
     (root / "resnet18-00000000.pth").write_bytes(data)  # a name whose digest this content does not have
-    with _serving(root) as url:
+    with serving(root) as url:
         yield url, name, state_dict
 
 
@@ -127,7 +104,7 @@ def test_a_url_that_serves_no_checkpoint_is_one_error(served, hub, path, expecte
 
 
 def test_an_unreachable_server_says_the_machine_may_be_offline(hub, capsys):
-    with _serving(hub.parent.parent) as url:
+    with serving(hub.parent.parent) as url:
         pass  # shut down: its port now refuses connections
     assert main(["port", f"{url}/resnet18-f37072fd.pth"]) == 2
     err = capsys.readouterr().err
