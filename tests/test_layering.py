@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import serving
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -80,9 +82,9 @@ def test_every_public_name_of_jaxport_train_resolves():
 def test_torch_compat_loads_torchvision_only_for_the_names_that_build_its_models(tmp_path):
     """Importing torchvision costs ~1.4 s (torchvision.ops pulls in torch._dynamo), which every
     `jaxport export`, `jaxport port CHECKPOINT`, `jaxport port` of the built embedded default and
-    `jaxport train --init` paid though none of them builds a torchvision model. Here they run in
-    one fresh process, which then checks that torchvision never arrived, and that the names that
-    do need it still resolve."""
+    `jaxport train --init` paid though none of them builds a torchvision model (nor does a
+    download by URL). Here they run in one fresh process, which then checks that torchvision
+    never arrived, and that the names that do need it still resolve."""
     import torch
     import torchvision
 
@@ -104,6 +106,7 @@ def test_torch_compat_loads_torchvision_only_for_the_names_that_build_its_models
         "from jaxport._cli import main\n"
         f"d = {str(tmp_path)!r}\n"
         "assert main(['port', d + '/r18.pth', '--out', d + '/r18.safetensors']) == 0\n"
+        "assert main(['port', sys.argv[1] + '/r18.pth', '--out', d + '/url.safetensors']) == 0\n"  # a download too
         "assert main(['export', d + '/r18.safetensors', '--arch', 'resnet18', '--out', d + '/back.pt']) == 0\n"
         "assert main(['port', '--out', d + '/default.safetensors']) == 0\n"
         "import torch_compat\n"
@@ -112,9 +115,13 @@ def test_torch_compat_loads_torchvision_only_for_the_names_that_build_its_models
         "assert not bad, bad[:10]\n"
         "torch_compat.reference_model\n"
         "assert 'torchvision' in sys.modules\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "JAXPORT_CACHE": str(tmp_path / "cache")})
+    with serving(tmp_path) as url:
+        proc = subprocess.run([sys.executable, "-c", code, url], capture_output=True, text=True, cwd=REPO, timeout=300,
+                              env={**os.environ, "JAXPORT_CACHE": str(tmp_path / "cache"),
+                                   "TORCH_HOME": str(tmp_path / "torch_home")})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    downloaded = tmp_path / "torch_home" / "hub" / "checkpoints" / "r18.pth"
+    assert downloaded.read_bytes() == (tmp_path / "r18.pth").read_bytes()
     back = torch.load(tmp_path / "back.pt", weights_only=True)
     model = torchvision.models.resnet18(num_classes=7)
     model.load_state_dict(back, strict=True)
