@@ -54,12 +54,12 @@ def test_port_of_a_url_downloads_once_and_ports_it(served, hub, tmp_path, capsys
     assert f"downloading {url}/{name} to {hub / name}" in said, said
     assert sorted(p.name for p in hub.iterdir()) == [name]  # no temporary left beside it
     _same_weights(jaxport.load_variables(out), state_dict)
-    # Again: the cached file, not a second download (a URL the server no longer has would fail).
+    # Again: the cached file, not a second download (which would give it a new mtime).
     os.utime(hub / name, (0, 0))
     assert main(["port", f"{url}/{name}", "--out", str(tmp_path / "again.safetensors")]) == 0
     assert f"using {hub / name}, downloaded before from {url}/{name}" in capsys.readouterr().out
     assert os.stat(hub / name).st_mtime == 0
-    # verify resolves it too, and names the local file from then on
+    # verify resolves the URL too (to the cached file)
     assert main(["verify", f"{url}/{name}", str(out), "--mode", "eval"]) == 0
     assert "verify: PASS" in capsys.readouterr().out
 
