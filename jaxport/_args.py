@@ -73,8 +73,9 @@ def closest(text: str, names, aliases: dict[str, str] | None = None) -> str | No
         return same[0]
     if (aliases or {}).get(key(text)) in names:
         return aliases[key(text)]
-    close = difflib.get_close_matches(text.lower(), list(names), n=1, cutoff=0.6)
-    return close[0] if close else None
+    lower = {n.lower(): n for n in names}  # spelling compared without case, on both sides
+    close = difflib.get_close_matches(text.lower(), list(lower), n=1, cutoff=0.6)
+    return lower[close[0]] if close else None
 
 
 def one_of(name: str, value, names, *, why: dict[str, str] | None = None,

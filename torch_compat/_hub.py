@@ -10,7 +10,6 @@ interrupted or corrupted download leaves nothing behind). Loading the file stays
 """
 from __future__ import annotations
 
-import difflib
 import http.client
 import os
 import re
@@ -19,7 +18,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Callable
 
-from jaxport._args import names_a_download
+from jaxport._args import closest, names_a_download
 from jaxport._errors import CheckpointError, ConfigError
 
 # torchvision names its downloads `<name>-<first 8 hex digits of the SHA-256>.pth`; torch.hub's
@@ -50,10 +49,9 @@ def _weights_url(name: str) -> str:
     enum = name.split(".", 1)[0].lower()
     same_enum = [k for k in known if k.lower().startswith(enum + ".")]
     members = [k.split(".", 1)[1] for k in same_enum]
-    # The one meant: the same name in another case, or a near spelling within its enum (across
-    # enums, a near spelling would offer ResNet-18's weights for ViT's).
-    near = difflib.get_close_matches(name.lower(), [k.lower() for k in same_enum], n=1, cutoff=0.6)
-    guess = next((k for k in same_enum if near and k.lower() == near[0]), None)
+    # The one meant, within its enum only: across enums, a near spelling would offer ResNet-18's
+    # weights for ViT's.
+    guess = closest(name, same_enum)
     if members:
         enum = same_enum[0].split(".", 1)[0]
         what = f"{enum} has {', '.join(members)}"
