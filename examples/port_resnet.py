@@ -49,8 +49,8 @@ def main() -> int:
                              "`jaxport verify` (this example compares class predictions)")
     args = parser.parse_args()
     path = args.checkpoint or torch_compat.default_checkpoint()
-    if not os.path.exists(path) and (path.startswith(("http://", "https://")) or "_weights." in path.lower()):
-        path = str(torch_compat.download_checkpoint(path))  # torchvision's pretrained weights
+    if not os.path.exists(path):  # torchvision's pretrained weights by name or URL; else says it does not exist
+        path = str(torch_compat.download_checkpoint(path))
     # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
     # writing over the checkpoint itself would destroy it.
     if os.path.exists(args.out) and os.path.exists(path) and os.path.samefile(args.out, path):

@@ -100,8 +100,11 @@ def shell_word(path: str | os.PathLike) -> str:
 
 
 # torchvision's weights names, as `torchvision.models.get_weight` takes them: `ResNet50_Weights.IMAGENET1K_V2`.
-# Matched without case, so that a misspelt case gets torch_compat's "did you mean".
-_WEIGHTS_NAME = re.compile(r"[a-z]\w*_weights\.[a-z]\w*", re.IGNORECASE)
+# Matched without case, so that a misspelt case gets torch_compat's "did you mean"; but a name
+# ending in a file extension (`model_weights.pth`, missing) is a path, and says it does not exist.
+_WEIGHTS_NAME = re.compile(r"[a-z]\w*_weights\.([a-z]\w*)", re.IGNORECASE)
+_FILE_SUFFIXES = {"pt", "pth", "bin", "ckpt", "tar", "safetensors", "pkl", "pickle", "zip", "npz", "npy", "h5",
+                  "msgpack", "onnx", "json"}
 
 
 def names_a_download(text: str | os.PathLike) -> bool:
@@ -111,4 +114,5 @@ def names_a_download(text: str | os.PathLike) -> bool:
     text = os.fspath(text) if isinstance(text, os.PathLike) else text
     if not isinstance(text, str) or os.path.lexists(text):
         return False
-    return text.startswith(("http://", "https://")) or _WEIGHTS_NAME.fullmatch(text) is not None
+    name = _WEIGHTS_NAME.fullmatch(text)
+    return text.startswith(("http://", "https://")) or (name is not None and name[1].lower() not in _FILE_SUFFIXES)

@@ -108,6 +108,7 @@ def test_examples_report_bad_input_in_one_line(tmp_path, monkeypatch, capsys):
     torch.save(torchvision.models.resnet18(), torch_whole)  # a pickled module: refused, never run
     for name, args, fragment in [
         ("port_resnet.py", [str(tmp_path / "nope.pth")], "does not exist"),
+        ("port_resnet.py", [str(tmp_path / "my_weights.pth")], "does not exist"),  # a path, not a weights name
         ("port_resnet.py", [str(torch_whole)], "outside the weights-only allowed set"),
         ("finetune_ported_resnet.py", ["--checkpoint", str(tmp_path / "nope.pth")], "--checkpoint"),
     ]:

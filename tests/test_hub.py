@@ -149,8 +149,14 @@ def test_what_names_a_download(tmp_path, monkeypatch):
     assert names_a_download("ResNet50_Weights.IMAGENET1K_V2") and names_a_download("resnet50_weights.default")
     assert not names_a_download("resnet50.pth") and not names_a_download("ftp://host/a.pth")
     assert not names_a_download("weights/ResNet50_Weights.IMAGENET1K_V2")
+    assert not names_a_download("model_weights.pth") and not names_a_download("EMA_Weights.safetensors")
     (tmp_path / "ResNet50_Weights.IMAGENET1K_V2").write_bytes(b"")  # a file of that name is that file
     assert not names_a_download("ResNet50_Weights.IMAGENET1K_V2")
-    with pytest.raises(ConfigError, match=r"`name_or_url` \(='a.pth'\) must be an http\(s\) URL or a torchvision "
-                                          "weights name"):
-        torch_compat.download_checkpoint("a.pth")
+    # Not a download: a missing path is said as load_state_dict says it, and nothing is fetched.
+    with pytest.raises(CheckpointError, match=r"^checkpoint 'my_weights.pth' does not exist, and is not an http\(s\) "
+                                              "URL or a torchvision weights name"):
+        torch_compat.download_checkpoint("my_weights.pth")
+    with pytest.raises(CheckpointError, match=r"'ResNet50_Weights.IMAGENET1K_V2' is a local file, not a download"):
+        torch_compat.download_checkpoint("ResNet50_Weights.IMAGENET1K_V2")
+    with pytest.raises(ConfigError, match=r"`name_or_url` \(=PosixPath\('a.pth'\)\) must be a str"):
+        torch_compat.download_checkpoint(tmp_path.__class__("a.pth"))

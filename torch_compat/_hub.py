@@ -79,13 +79,20 @@ def download_checkpoint(name_or_url: str, *, progress: bool = True,
       (torchvision's) must match the download's SHA-256; a mismatch keeps nothing.
 
     Raises:
-      ConfigError: not a URL and not a known weights name (the error lists the names).
-      CheckpointError: the download failed (offline, HTTP error, checksum) or the cache is not
-        writable; nothing partial is kept.
+      ConfigError: not a URL and not a known weights name (the error lists the names), or not a str.
+      CheckpointError: a path, which no download names: one that does not exist (said as
+        `load_state_dict` says it), or an existing file (load it as it is); or the download failed
+        (offline, HTTP error, checksum) or the cache is not writable, and nothing partial is kept.
     """
-    if not isinstance(name_or_url, str) or not names_a_download(name_or_url):
-        raise ConfigError(f"`name_or_url` (={name_or_url!r}) must be an http(s) URL or a torchvision weights name "
-                          "such as 'ResNet50_Weights.IMAGENET1K_V2'")
+    if not isinstance(name_or_url, str):
+        raise ConfigError(f"`name_or_url` (={name_or_url!r}) must be a str: an http(s) URL or a torchvision weights "
+                          "name such as 'ResNet50_Weights.IMAGENET1K_V2'")
+    if not names_a_download(name_or_url):  # a caller may pass any argument that is not an existing file
+        if os.path.lexists(name_or_url):
+            raise CheckpointError(f"'{name_or_url}' is a local file, not a download: load it as it is "
+                                  "(torch_compat.load_state_dict)")
+        raise CheckpointError(f"checkpoint '{name_or_url}' does not exist, and is not an http(s) URL or a torchvision "
+                              "weights name such as 'ResNet50_Weights.IMAGENET1K_V2'; check the path")
     import torch.hub
 
     is_url = name_or_url.startswith(("http://", "https://"))
