@@ -13,6 +13,7 @@ import pytest
 
 from jaxport import _cli
 from jaxport.train import TrainConfig, _loop, _memory, train
+from tests.helpers import write_images
 
 OOM_TEXT = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 12.50GiB."
 
@@ -210,3 +211,76 @@ def test_the_out_of_memory_advice_leaves_room_for_the_model_ema(monkeypatch):
                                cfg, 16, 2)
         assert "use --batch-size 4 (2 per device)" in str(err), err
     assert limits == [1 << 30, (1 << 30) - _memory.tree_bytes(variables)], limits
+
+
+def _eval_figures(num_classes: int, image_size: int, val_crop: int, devices: int, sizes) -> dict[int, int]:
+    """What `--batch-size auto` should count for the evaluation at each per-device batch of
+    `sizes`: its bytes at `val_crop`, plus the optimizer state kept beside it, compiled here
+    from a model, optimizer and mesh built as `train` builds them (SGD with momentum)."""
+    from jaxport.models import build
+    from jaxport.train import create_state, make_eval_step, make_mesh
+    from jaxport.train._optim import sgd
+
+    model, mesh = build("resnet18", num_classes=num_classes), make_mesh(jax.devices()[:devices])
+    variables = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, image_size, image_size, 3)))
+    state = create_state(jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), variables), sgd(0.1, 0.9), mesh)
+    evaluate, kept = make_eval_step(model, mesh), _memory.tree_bytes(state.opt_state)
+    return {b: _memory.eval_bytes(evaluate, state.variables, mesh, b, val_crop) + kept for b in sizes}
+
+
+def test_batch_size_auto_fits_the_evaluation_at_a_larger_held_out_crop(tmp_path, monkeypatch):
+    """torchvision's ResNet-50 recipe trains at 176 px and evaluates at 224: a batch picked for
+    the training step alone could run out of memory in the first evaluation. Where the held-out
+    crop is larger, the evaluation's figure counts too; where it is not, it is not compiled."""
+    for c in ("a", "b"):
+        write_images(tmp_path / "data" / c, 10, size=(20, 24))  # 18 training images, 2 held out
+    eval_bytes = _eval_figures(2, 8, 448, 2, (6, 7))
+    # A limit where 6 per device fits both, 7 fits the step alone, as do all 9 (the cap: 18
+    # images over 2 devices; the second run shows it): the evaluation at 448 px must decide.
+    limit = (eval_bytes[6] + eval_bytes[7]) // 2
+
+    class Picked(Exception):
+        pass
+
+    picked, asked, real_largest, real_eval = [], [], _memory.largest_batch, _memory.eval_bytes
+
+    def largest(*args, **kwargs):
+        picked.append(real_largest(*args, **kwargs))
+        raise Picked  # the pick is what this test is about: no training step need compile
+
+    monkeypatch.setattr(_memory, "largest_batch", largest)
+    monkeypatch.setattr(_memory, "eval_bytes", lambda *args: asked.append(args[4]) or real_eval(*args))
+    said = []
+    base = dict(data=str(tmp_path / "data"), batch_size="auto", image_size=8, devices=2, workers=0,
+                memory_limit_bytes=limit, progress=False)
+    with pytest.raises(Picked):
+        train(TrainConfig(workdir=str(tmp_path / "w1"), val_crop_size=448, **base), log=said.append)
+    assert picked == [6] and set(asked) == {448}, (picked, asked)
+    assert any(m.startswith(f"--batch-size auto: 6 per device ({eval_bytes[6] / 2**20:.0f} MiB of")
+               and m.endswith("; the evaluation at --val-crop-size 448 needs more than the training step)")
+               for m in said), said
+    asked.clear()
+    with pytest.raises(Picked):  # the held-out crop is the training crop's: the step decides alone
+        train(TrainConfig(workdir=str(tmp_path / "w2"), **base), log=said.append)
+    assert picked[-1] == 9 and not asked, (picked, asked)  # the cap: the step alone fits all 9
+
+
+def test_the_out_of_memory_advice_counts_the_evaluation_at_a_larger_held_out_crop(monkeypatch):
+    """A RESOURCE_EXHAUSTED in the evaluation at a larger --val-crop-size: the batch named
+    must fit the evaluation too, not the training step alone."""
+    from jaxport.models import build
+    from jaxport.train import make_mesh
+    from jaxport.train._optim import sgd
+
+    mib = 1 << 20
+    monkeypatch.setattr(_memory, "step_bytes", lambda *args: args[3] * mib)  # 1 MiB an image per device
+    monkeypatch.setattr(_memory, "eval_bytes", lambda *args: args[3] * 40 * mib)  # 40 MiB an image per device
+    model = build("resnet18", num_classes=10)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), np.zeros((1, 8, 8, 3)))
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+    kept = _memory.tree_bytes(variables["params"])  # SGD with momentum: one buffer per parameter
+    for crop, want in ((96, (300 * mib - kept) // (40 * mib)), (8, 7)):
+        cfg = TrainConfig(workdir="w", image_size=8, val_crop_size=crop, memory_limit_bytes=300 * mib)
+        err = _loop._oom_error(model, sgd(0.1, 0.9), variables, make_mesh(jax.devices()[:2]), cfg, 16, 2)
+        # 8 per device failed; at 96 px the evaluation decides, at 8 px nothing but the cap (7)
+        assert f"use --batch-size {2 * want} ({want} per device)" in str(err), (crop, want, err)

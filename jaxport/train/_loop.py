@@ -1088,7 +1088,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         cap = _epoch_images(cfg, data.train.num_examples) // n_dev
         low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode)
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
-                                                 max_per_device=min(256, cap), log=say, min_per_device=low)
+                                                 max_per_device=min(256, cap), log=say, min_per_device=low,
+                                                 also=_evaluation_bytes(cfg, model, mesh, state))
         # Each process measured its own devices; the step is one program, so all take the smallest.
         agreed = _distributed.agree_min(per_device_batch)
         if agreed != per_device_batch:
@@ -1453,6 +1454,23 @@ def _save_finite(mngr, gstep: int, state, meta: dict, cfg: TrainConfig, ema=None
     _checkpoint.save(mngr, gstep, state, meta, ema)
 
 
+def _evaluation_bytes(cfg: TrainConfig, model, mesh, state) -> tuple[str, Callable[[int], int]] | None:
+    """`(what, bytes_at)` for `_memory.largest_batch`: the evaluation's bytes per device at a
+    per-device batch, where they may exceed the training step's: at a held-out crop larger
+    than the training crop (torchvision's ResNet-50 recipe trains at 176 px and evaluates at
+    224, 1.6x the pixels). The evaluation runs at the same global batch while the optimizer
+    state stays on the devices; its arguments are the weights, or the --model-ema average in
+    their place (of their size, which `_memory_for_steps` already left room for). At the
+    training crop or smaller, a forward pass that keeps nothing for a backward needs less
+    than the step: not compiled."""
+    if cfg.val_crop_size is None or cfg.val_crop_size <= cfg.image_size:
+        return None
+    evaluate = make_eval_step(model, mesh)
+    resident = _memory.tree_bytes(state.opt_state)
+    return (f"the evaluation at --val-crop-size {cfg.val_crop_size}",
+            lambda b: _memory.eval_bytes(evaluate, state.variables, mesh, b, cfg.val_crop_size) + resident)
+
+
 def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMemoryError:
     """The out-of-memory message, naming a per-device batch XLA's memory analysis predicts fits.
 
@@ -1465,10 +1483,13 @@ def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMe
         limit = _memory_for_steps(cfg, variables, lambda m: None)  # as --batch-size auto counts it
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
-        failed = _memory.step_bytes(step, state, mesh, per_device, cfg.image_size)
+        also = _evaluation_bytes(cfg, model, mesh, state)  # it may be the evaluation that ran out
+        failed = max(_memory.step_bytes(step, state, mesh, per_device, cfg.image_size),
+                     also[1](per_device) if also else 0)
         fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
                                      max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,
-                                     min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode))
+                                     min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode),
+                                     also=also)
     except _memory.OutOfMemoryError as e:  # not even one image per device
         return _memory.OutOfMemoryError(f"{where}; {e}")
     except Exception:  # noqa: BLE001 - the hint is best effort

@@ -35,7 +35,25 @@ def step_bytes(step: Callable, state, mesh, per_device_batch: int, image_size: i
     sharding = NamedSharding(mesh, P(AXIS))
     x = jax.ShapeDtypeStruct((n, image_size, image_size, 3), dtype, sharding=sharding)
     y = jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding)
-    ma = step.lower(state, x, y).compile(compiler_options=_probe_options(mesh)).memory_analysis()
+    return _peak(step.lower(state, x, y).compile(compiler_options=_probe_options(mesh)).memory_analysis())
+
+
+def eval_bytes(evaluate: Callable, variables, mesh, per_device_batch: int, image_size: int,
+               dtype=np.float32) -> int:
+    """Peak bytes per device of one compiled evaluation step (`make_eval_step`'s), from XLA's
+    memory analysis: `variables` replicated, a batch of `image_size` px images, labels and mask."""
+    n = mesh.devices.size * per_device_batch
+    sharding = NamedSharding(mesh, P(AXIS))
+    x = jax.ShapeDtypeStruct((n, image_size, image_size, 3), dtype, sharding=sharding)
+    y = jax.ShapeDtypeStruct((n,), np.int32, sharding=sharding)
+    mask = jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding)
+    replicated = NamedSharding(mesh, P())
+    v = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=replicated), variables)
+    return _peak(evaluate.lower(v, x, y, mask).compile(compiler_options=_probe_options(mesh)).memory_analysis())
+
+
+def _peak(ma) -> int:
+    """A compiled program's bytes per device: its buffers, less the outputs that reuse (alias) an argument's."""
     return int(ma.temp_size_in_bytes + ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes)
 
 
@@ -67,8 +85,13 @@ def _probe_options(mesh) -> dict | None:
 
 
 def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int, max_per_device: int = 256,
-                  log: Callable[[str], None] = print, min_per_device: int = 1) -> int:
+                  log: Callable[[str], None] = print, min_per_device: int = 1,
+                  also: tuple[str, Callable[[int], int]] | None = None) -> int:
     """The largest per-device batch whose step fits in `limit_bytes`.
+
+    `also`, `(what, bytes_at)`: another program the batch must fit, run between the steps (the
+    evaluation at a larger held-out crop), and its bytes per device at a per-device batch. A
+    size then fits when both do, and the message says when `what` decided it.
 
     The sizes tried are `min_per_device`..15, then multiples of 8, and `max_per_device`. Each
     size is compiled once, only for its memory analysis; `_largest_fitting` picks which (2-7 of
@@ -82,19 +105,26 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
     sizes = candidate_sizes(lo, hi)
     known: dict[int, int] = {}
 
+    other: dict[int, int] = {}
+
     def need(b: int) -> int:  # a compilation takes seconds: each size once
         if b not in known:
             known[b] = step_bytes(step, state, mesh, b, image_size)
-        return known[b]
+            if also is not None:  # the larger of two growing figures grows: the search stays exact
+                other[b] = also[1](b)
+        return max(known[b], other.get(b, 0))
+
+    def whose(b: int) -> str:  # which program decides at `b`
+        return f"; {also[0]} needs more than the training step" if other.get(b, 0) > known[b] else ""
 
     b = _largest_fitting(need, sizes, limit_bytes)
     if b is None:
-        raise OutOfMemoryError(f"a batch of {lo} per device needs {need(lo) / 2**20:.0f} MiB, more than the "
+        raise OutOfMemoryError(f"a batch of {lo} per device needs {need(lo) / 2**20:.0f} MiB{whose(lo)}, more than the "
                                f"{limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model")
     # Say when the cap, not memory, chose the size (a GPU with 64 GiB free is not "full" at 256).
     capped = ", the most it picks" if b == hi else ""
     log(f"--batch-size auto: {b} per device{capped} ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
-        "from XLA's memory analysis)")
+        f"from XLA's memory analysis{whose(b)})")
     return b
 
 
