@@ -88,6 +88,28 @@ def _local_checkpoint(spec: str) -> str:
     return str(download_checkpoint(spec, progress=sys.stderr.isatty()))
 
 
+def _weights_metadata(name: str, num_classes: int) -> dict[str, str]:
+    """`torch_compat.weights_metadata(name)` for the port's header, said in one line. Without the
+    categories and accuracy where the port's classifier is not theirs: a backbone
+    (--backbone-only) has none."""
+    import json
+
+    from torch_compat import weights_metadata
+
+    meta = weights_metadata(name)
+    named = len(json.loads(meta["categories"]))
+    if num_classes != named:  # a backbone; or a file at their URL that is not theirs (its name had no digest)
+        meta = {k: v for k, v in meta.items() if k not in ("categories", "metrics")}
+    pre = json.loads(meta["preprocess"])
+    what = ([f"{named} categories"] if "categories" in meta else
+            [f"its {named} categories and accuracy describe no output of this {num_classes}-class port: not recorded"]
+            if num_classes else [])
+    what += [f"{data} acc@1 {m['acc@1']}" for data, m in json.loads(meta.get("metrics", "{}")).items() if "acc@1" in m]
+    what += [f"evaluated at resize {pre['resize_size'][0]}, crop {pre['crop_size'][0]}"]
+    print(f"weights: {meta['weights']} ({', '.join(what)}): recorded in the port's metadata")
+    return meta
+
+
 def _loading_flags(args) -> str:
     """The loading options of this command line, to repeat in the next one."""
     flags = [f"--prefix {shlex.quote(args.prefix)}"] if args.prefix else []
@@ -301,10 +323,12 @@ def _cmd_port(args) -> int:
     with _steps(5 if args.verify else 4, "port") as step:
         if args.checkpoint is None:
             step("building the embedded default checkpoint")
-            ckpt = _default.default_checkpoint()
+            ckpt, named = _default.default_checkpoint(), False
             print(f"checkpoint: {ckpt} ({_default.DESCRIPTION})")
         else:
             step("checking the checkpoint")
+            # torchvision's weights by name: what it records beside them goes into the port
+            named = names_a_download(args.checkpoint) and not args.checkpoint.startswith(("http://", "https://"))
             ckpt = Path(_local_checkpoint(args.checkpoint))
             print(f"checkpoint: {ckpt}")
             if ckpt.is_dir():  # said as such, before the output checks below take `.` for a training workdir
@@ -336,6 +360,8 @@ def _cmd_port(args) -> int:
                   "diverged?), and the model's outputs will be NaN or inf")
         step("saving")
         metadata = {"source": _header_text(ckpt.name), "source_id": _source_id(ckpt)}
+        if named:
+            metadata |= _weights_metadata(args.checkpoint, torch_compat.num_classes_of(state_dict))
         try:
             save_variables(out, variables, arch=detected, metadata=metadata, overwrite=replaceable)
         except FileExistsError:

@@ -2,6 +2,7 @@
 ported, verified and used as --init like any file. Served from this machine (loopback HTTP): no
 network is reachable here, and what matters is what jaxport does with what arrives."""
 import hashlib
+import json
 import os
 
 import pytest
@@ -160,3 +161,41 @@ def test_what_names_a_download(tmp_path, monkeypatch):
         torch_compat.download_checkpoint("ResNet50_Weights.IMAGENET1K_V2")
     with pytest.raises(ConfigError, match=r"`name_or_url` \(=PosixPath\('a.pth'\)\) must be a str"):
         torch_compat.download_checkpoint(tmp_path.__class__("a.pth"))
+
+
+def test_a_port_by_weights_name_records_what_torchvision_knows_of_them(served, hub, tmp_path, monkeypatch, capsys):
+    """The class names, the evaluation transform, the accuracy and the recipe that torchvision
+    keeps beside the weights go into the port's header, for a program without torchvision."""
+    url, name, _ = served
+    weights = torchvision.models.ResNet18_Weights.IMAGENET1K_V1
+    root = tmp_path / "served1000"
+    root.mkdir()
+    torch.save(torchvision.models.resnet18().state_dict(), root / "resnet18-imagenet.pth")  # 1000 classes
+    with serving(root) as url1000:
+        monkeypatch.setattr(weights.value, "url", f"{url1000}/resnet18-imagenet.pth")
+        out = tmp_path / "r18.safetensors"
+        assert main(["port", "ResNet18_Weights.DEFAULT", "--out", str(out)]) == 0
+    meta = jaxport.read_metadata(out)
+    t = weights.transforms()
+    assert meta["weights"] == "ResNet18_Weights.IMAGENET1K_V1"  # DEFAULT, resolved
+    assert json.loads(meta["categories"]) == weights.meta["categories"]
+    assert json.loads(meta["preprocess"]) == {
+        "resize_size": t.resize_size, "crop_size": t.crop_size, "interpolation": "bilinear", "antialias": True,
+        "mean": t.mean, "std": t.std}
+    assert json.loads(meta["metrics"]) == weights.meta["_metrics"] and meta["recipe"] == weights.meta["recipe"]
+    said = capsys.readouterr().out
+    assert ("weights: ResNet18_Weights.IMAGENET1K_V1 (1000 categories, ImageNet-1K acc@1 69.758, evaluated at resize "
+            "256, crop 224): recorded in the port's metadata") in said, said
+    # A backbone has no classifier for them to name; nor has a file of 10 classes at their URL.
+    assert main(["port", "ResNet18_Weights.IMAGENET1K_V1", "--backbone-only", "--out", str(tmp_path / "b.st")]) == 0
+    assert "weights: ResNet18_Weights.IMAGENET1K_V1 (evaluated at resize 256" in capsys.readouterr().out
+    meta = jaxport.read_metadata(tmp_path / "b.st")
+    assert meta["weights"] == "ResNet18_Weights.IMAGENET1K_V1" and "categories" not in meta and "metrics" not in meta
+    monkeypatch.setattr(weights.value, "url", f"{url}/{name}")
+    assert main(["port", "ResNet18_Weights.IMAGENET1K_V1", "--out", str(tmp_path / "c.st")]) == 0
+    assert ("its 1000 categories and accuracy describe no output of this 10-class port: not recorded"
+            in capsys.readouterr().out)
+    assert "categories" not in jaxport.read_metadata(tmp_path / "c.st")
+    # A port by URL imports no torchvision (tests/test_layering.py) and records none of it.
+    assert main(["port", f"{url}/{name}", "--out", str(tmp_path / "d.st")]) == 0
+    assert "weights" not in jaxport.read_metadata(tmp_path / "d.st")

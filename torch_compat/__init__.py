@@ -21,6 +21,7 @@ from ._convert import table as table
 from ._convert import torch_to_flax as torch_to_flax
 from ._cuda_tag import saving_as_cuda as saving_as_cuda
 from ._hub import download_checkpoint as download_checkpoint
+from ._hub import weights_metadata as weights_metadata
 from ._load import load_state_dict as load_state_dict
 from ._load import weights_only_is_safe as weights_only_is_safe
 from . import optim as optim  # `import torch_compat` then `torch_compat.optim.sgd(...)`, as the README does
@@ -36,7 +37,7 @@ _LAZY = {
 __all__ = [  # literal, for the tools that read it; tests/test_layering.py checks it
     "CrossCheckReport", "StageError", "backbone_state_dict", "cast_floating", "cross_check", "default_checkpoint",
     "detect_arch", "download_checkpoint", "flax_to_torch", "load_state_dict", "num_classes_of", "optim",
-    "reference_model", "saving_as_cuda", "table", "torch_to_flax", "weights_only_is_safe",
+    "reference_model", "saving_as_cuda", "table", "torch_to_flax", "weights_metadata", "weights_only_is_safe",
 ]
 
 if _typing.TYPE_CHECKING:  # what static tools see; at run time `__getattr__` below imports on use

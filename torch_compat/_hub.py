@@ -131,3 +131,38 @@ def download_checkpoint(name_or_url: str, *, progress: bool = True,
         raise CheckpointError(f"cannot download '{url}' to '{dst}' ({type(e).__name__}: {e}); nothing was kept: "
                               "try again, or set TORCH_HOME to a directory with space") from None
     return dst
+
+
+def weights_metadata(name: str) -> dict[str, str]:
+    """What torchvision records of the weights `name` beside their file, as string metadata for
+    a port's header (`jaxport.save_variables(..., metadata=...)`; `jaxport port NAME` writes it),
+    so that a program with no torchvision can name the classes and preprocess as the weights
+    were evaluated:
+
+    - `weights`: the member, `.DEFAULT` resolved ('ResNet50_Weights.DEFAULT' is
+      'ResNet50_Weights.IMAGENET1K_V2');
+    - `categories`: a JSON list of the class names, in output order;
+    - `preprocess`: JSON of the evaluation transform (`weights.transforms()`): `resize_size`,
+      `crop_size`, `interpolation`, `antialias`, `mean`, `std`. It differs between weights of
+      one architecture: IMAGENET1K_V2 resizes to 232 px, V1 to 256;
+    - `metrics`: JSON of their published accuracy (`{"ImageNet-1K": {"acc@1": ..., "acc@5": ...}}`);
+    - `recipe`: the URL of their training recipe.
+
+    Raises:
+      ConfigError: not a weights name of the ResNet family, listing the names (as `download_checkpoint`).
+    """
+    import json
+
+    from torchvision.models import get_weight
+
+    _weights_url(name)  # refuses another family's weights or a misspelling, with the names
+    w = get_weight(name)
+    t = w.transforms()
+    preprocess = {"resize_size": list(t.resize_size), "crop_size": list(t.crop_size),
+                  "interpolation": t.interpolation.value, "antialias": t.antialias,
+                  "mean": list(t.mean), "std": list(t.std)}
+    meta = {"weights": f"{type(w).__name__}.{w.name}", "categories": json.dumps(w.meta["categories"]),
+            "preprocess": json.dumps(preprocess), "metrics": json.dumps(w.meta.get("_metrics", {}))}
+    if w.meta.get("recipe"):
+        meta["recipe"] = w.meta["recipe"]
+    return meta
