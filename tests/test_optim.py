@@ -237,3 +237,80 @@ def test_per_epoch_takes_a_whole_float_and_numpy_base_lrs_as_torch():
             assert float(ours(epoch * 3 + step)) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-6, abs=1e-9)
         opt.step()
         sched.step()
+
+
+ONE_CYCLE = [  # torch's OneCycleLR arguments (its defaults: cos, pct_start 0.3, momentum 0.85-0.95)
+    dict(total_steps=100),
+    dict(total_steps=97, anneal_strategy="linear", pct_start=0.25, div_factor=10.0, final_div_factor=100.0),
+    dict(total_steps=50, three_phase=True, base_momentum=0.8, max_momentum=0.9),
+    dict(total_steps=61, three_phase=True, anneal_strategy="linear", pct_start=0.45),
+    dict(epochs=7, steps_per_epoch=13, pct_start=0.0),
+    dict(total_steps=10, pct_start=0.95),
+    dict(total_steps=1),
+]
+_LR_ONLY = ("base_momentum", "max_momentum")
+_MOMENTUM_ONLY = ("div_factor", "final_div_factor")
+
+
+@pytest.mark.parametrize("kw", ONE_CYCLE)
+def test_one_cycle_lr_and_momentum_are_torchs_at_every_step(kw):
+    """Every step of the cycle, and the one past its end that torch still computes (it raises
+    on the next), in float64 (exact) and float32 (torch's values rounded once)."""
+    total = kw.get("total_steps") or kw["epochs"] * kw["steps_per_epoch"]
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1, momentum=0.9)
+    sched = L.OneCycleLR(opt, 0.4, **kw)
+    want_lr, want_m = [], []
+    for _ in range(total + 1):
+        want_lr.append(opt.param_groups[0]["lr"])
+        want_m.append(opt.param_groups[0]["momentum"])
+        opt.step()
+        if len(want_lr) <= total:
+            sched.step()
+    lr = optim.one_cycle_lr(0.4, **{k: v for k, v in kw.items() if k not in _LR_ONLY})
+    momentum = optim.one_cycle_momentum(**{k: v for k, v in kw.items() if k not in _MOMENTUM_ONLY})
+    assert list(lr.table) == want_lr and list(momentum.table) == want_m
+    steps = jnp.arange(total + 3)  # past the end the last value holds (torch raises)
+    with jax.enable_x64(True):
+        np.testing.assert_array_equal(jax.jit(jax.vmap(lr))(steps), want_lr + [want_lr[-1]] * 2)
+        np.testing.assert_array_equal(jax.jit(jax.vmap(momentum))(steps), want_m + [want_m[-1]] * 2)
+    np.testing.assert_array_equal(jax.jit(jax.vmap(lr))(steps), np.float32(want_lr + [want_lr[-1]] * 2))
+
+
+def test_sgd_with_one_cycle_lr_and_momentum_steps_as_torch():
+    """torch's OneCycleLR with its default momentum cycling, beside SGD with nesterov and weight
+    decay: 10 float64 steps, with optax.inject_hyperparams feeding both schedules."""
+    class OneCycle:
+        def __init__(self, ps):
+            self.opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+            self.sched = L.OneCycleLR(self.opt, 0.3, total_steps=10, pct_start=0.4)
+
+        def step(self):
+            self.opt.step()
+            self.sched.step()
+
+    tx = optax.inject_hyperparams(optim.sgd)(learning_rate=optim.one_cycle_lr(0.3, 10, pct_start=0.4),
+                                             momentum=optim.one_cycle_momentum(10, pct_start=0.4),
+                                             weight_decay=1e-2, nesterov=True)
+    _run_both(OneCycle, tx)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: optim.one_cycle_lr(0.1), "give `total_steps`, or `epochs` and `steps_per_epoch`"),
+    (lambda: optim.one_cycle_lr(0.1, epochs=3), "give `total_steps`, or `epochs` and `steps_per_epoch`"),
+    (lambda: optim.one_cycle_lr(0.1, 0), r"`total_steps` \(=0\) must be a whole number >= 1"),
+    (lambda: optim.one_cycle_lr(0.1, 10, pct_start=1.5), r"`pct_start` \(=1.5\) must be from 0 to 1"),
+    (lambda: optim.one_cycle_lr(0.1, 10, anneal_strategy="cosine"), r"`anneal_strategy` \(='cosine'\) must be "
+                                                                     "'cos' or 'linear'"),
+    (lambda: optim.one_cycle_lr(0.1, 10, div_factor=0), r"`div_factor` \(=0.0\) and `final_div_factor`"),
+    (lambda: optim.one_cycle_lr(-0.1, 10), r"`max_lr` \(=-0.1\) must be a finite number >= 0"),
+    (lambda: optim.one_cycle_lr(0.1, 10, pct_start=0.1), r"`pct_start` \(=0.1\) over 10 steps makes a phase of the "
+                                                         "one-cycle lr schedule end where it starts"),
+    # torch computes steps 0..9, then divides by zero in the scheduler.step() after the last
+    (lambda: optim.one_cycle_momentum(10, pct_start=1.0), r"`pct_start` \(=1.0\) over 10 steps makes a phase of the "
+                                                          "one-cycle momentum schedule end where it starts"),
+    (lambda: optim.one_cycle_momentum(10, max_momentum=float("nan")), r"`max_momentum` \(=nan\) must be a finite"),
+    (lambda: optim.one_cycle_momentum(20_000_000), r"length \(20,000,000 steps\) must be at most 10,000,000"),
+])
+def test_one_cycle_refuses_what_torch_refuses_by_name(call, message):
+    with pytest.raises(ConfigError, match=message):
+        call()

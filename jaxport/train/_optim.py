@@ -654,6 +654,117 @@ def constant_lr(base_lr: float, *positional, factor: float = 1.0 / 3, total_iter
     return _lookup(lrs, lambda count: count)
 
 
+def _one_cycle_steps(total_steps, epochs, steps_per_epoch) -> int:
+    """torch's OneCycleLR length: `total_steps`, else `epochs * steps_per_epoch`."""
+    if total_steps is not None:
+        total = whole("total_steps", total_steps, 1)
+    elif epochs is not None and steps_per_epoch is not None:
+        total = whole("epochs", epochs, 1) * whole("steps_per_epoch", steps_per_epoch, 1)
+    else:
+        raise ConfigError("give `total_steps`, or `epochs` and `steps_per_epoch` (their product), as torch's "
+                          "OneCycleLR: the schedule's length in optimizer steps")
+    if total > _COSINE_MAX:
+        raise ConfigError(f"the one-cycle schedule's length ({total:,} steps) must be at most {_COSINE_MAX:,}: "
+                          "torch's values are reproduced with a table of one value per step (8 bytes each)")
+    return total
+
+
+def _one_cycle(ends: tuple[float, ...], total: int, pct_start, anneal_strategy: str, three_phase: bool,
+               what: str) -> Schedule:
+    """torch's OneCycleLR phases, value for value: `ends` are (initial, peak, final) for the two
+    phases (the peak reached at `pct_start`), and (initial, peak, initial, final) for three.
+    Torch's own arithmetic in Python floats, once per step up to `total` (torch's last valid
+    step count); past it torch raises, and here the value at `total` holds."""
+    pct_start = finite("pct_start", pct_start)
+    if not 0 <= pct_start <= 1:
+        raise ConfigError(f"`pct_start` (={pct_start}) must be from 0 to 1: the fraction of the cycle spent "
+                          "raising the lr, as torch's OneCycleLR")
+    if anneal_strategy not in ("cos", "linear"):
+        raise ConfigError(f"`anneal_strategy` (={anneal_strategy!r}) must be 'cos' or 'linear', as torch's OneCycleLR")
+    if three_phase:
+        phases = [(float(pct_start * total) - 1, ends[0], ends[1]),
+                  (float(2 * pct_start * total) - 2, ends[1], ends[2]), (total - 1, ends[2], ends[3])]
+    else:
+        phases = [(float(pct_start * total) - 1, ends[0], ends[1]), (total - 1, ends[1], ends[2])]
+
+    def anneal(start, end, pct):  # torch's _annealing_cos / _annealing_linear
+        if anneal_strategy == "cos":
+            return end + (start - end) / 2.0 * (math.cos(math.pi * pct) + 1)
+        return (end - start) * pct + start
+
+    values = []
+    for step in range(total + 1):  # torch's get_lr at last_epoch == step
+        start_step = 0.0
+        for i, (end_step, start, end) in enumerate(phases):
+            if step <= end_step or i == len(phases) - 1:
+                try:
+                    values.append(anneal(start, end, (step - start_step) / (end_step - start_step)))
+                except ZeroDivisionError:
+                    raise ConfigError(
+                        f"`pct_start` (={pct_start}) over {total} steps makes a phase of the one-cycle {what} "
+                        "schedule end where it starts (torch's OneCycleLR divides by zero there); choose "
+                        "another pct_start or more steps") from None
+                break
+            start_step = end_step
+    return _lookup(values, lambda count: jnp.maximum(count, 0))
+
+
+def one_cycle_lr(max_lr: float, total_steps: int | None = None, *, epochs: int | None = None,
+                 steps_per_epoch: int | None = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
+                 div_factor: float = 25.0, final_div_factor: float = 1e4, three_phase: bool = False) -> Schedule:
+    """torch's `OneCycleLR` learning rate, value for value (stepped per optimizer step).
+
+    From `max_lr / div_factor` up to `max_lr` over the first `pct_start` of `total_steps` (or
+    `epochs * steps_per_epoch`), then down to `max_lr / div_factor / final_div_factor`; with
+    `three_phase`, back to the initial lr first, then down. Annealed by cosine (`"cos"`) or
+    linearly, with torch's own arithmetic, each step's value computed once in Python floats.
+    torch raises when stepped past `total_steps`; here the value at `total_steps` holds.
+
+    torch's OneCycleLR also cycles SGD's momentum by default (`cycle_momentum=True`, between
+    0.85 and 0.95): that is `one_cycle_momentum`, given to `optax.inject_hyperparams(sgd)`:
+
+      >>> import optax
+      >>> lr, momentum = one_cycle_lr(0.1, 1000), one_cycle_momentum(1000)
+      >>> tx = optax.inject_hyperparams(sgd)(learning_rate=lr, momentum=momentum, weight_decay=1e-4)
+
+    (torch's `cycle_momentum=False`: `sgd(one_cycle_lr(...), momentum=0.9)`. For Adam torch
+    cycles beta1, which `adamw` takes as a number only: use AdamW with `cycle_momentum=False`
+    in torch to compare.) `optax.cosine_onecycle_schedule` is another formula.
+
+    Raises:
+      ConfigError: as torch's OneCycleLR refuses (no length, a `pct_start` outside [0, 1],
+        another anneal_strategy), and where torch divides by zero (a phase of no steps).
+    """
+    max_lr = finite("max_lr", max_lr, minimum=0, hint=", as torch.optim's learning rate")
+    div_factor = finite("div_factor", div_factor, minimum=0)
+    final_div_factor = finite("final_div_factor", final_div_factor, minimum=0)
+    if not div_factor or not final_div_factor:
+        raise ConfigError(f"`div_factor` (={div_factor}) and `final_div_factor` (={final_div_factor}) must be > 0: "
+                          "the lr is divided by them, as torch's OneCycleLR")
+    total = _one_cycle_steps(total_steps, epochs, steps_per_epoch)
+    initial = max_lr / div_factor  # torch's group["initial_lr"], then group["min_lr"]
+    ends = (initial, max_lr, initial, initial / final_div_factor) if three_phase else (
+        initial, max_lr, initial / final_div_factor)
+    return _one_cycle(ends, total, pct_start, anneal_strategy, three_phase, "lr")
+
+
+def one_cycle_momentum(total_steps: int | None = None, *, epochs: int | None = None,
+                       steps_per_epoch: int | None = None, pct_start: float = 0.3, anneal_strategy: str = "cos",
+                       base_momentum: float = 0.85, max_momentum: float = 0.95,
+                       three_phase: bool = False) -> Schedule:
+    """The momentum torch's `OneCycleLR` sets on SGD at each step (its `cycle_momentum=True`,
+    the default): from `max_momentum` down to `base_momentum` while the lr rises, and back up
+    while it falls (with `three_phase`, it holds `max_momentum` in the last phase). Value for
+    value, with the arguments shared with `one_cycle_lr` given alike; a schedule for
+    `optax.inject_hyperparams(sgd)(..., momentum=one_cycle_momentum(...))` (see `one_cycle_lr`)."""
+    base_momentum = finite("base_momentum", base_momentum, minimum=0)
+    max_momentum = finite("max_momentum", max_momentum, minimum=0)
+    total = _one_cycle_steps(total_steps, epochs, steps_per_epoch)
+    ends = (max_momentum, base_momentum, max_momentum, max_momentum) if three_phase else (
+        max_momentum, base_momentum, max_momentum)
+    return _one_cycle(ends, total, pct_start, anneal_strategy, three_phase, "momentum")
+
+
 def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> optax.GradientTransformation:
     """torch's `torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)`, as a stateless
     optax transformation to chain before the optimizer.

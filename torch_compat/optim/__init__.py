@@ -2,9 +2,10 @@
 
 `sgd`, `adamw` and `rmsprop` reproduce `torch.optim.SGD` / `AdamW` / `RMSprop` update for update, and
 `clip_grad_norm` torch's `clip_grad_norm_`;
-`step_lr`, `multistep_lr`, `exponential_lr`, `cosine_annealing_lr`, `linear_warmup` and
-`constant_lr` reproduce torch's `StepLR`, `MultiStepLR`, `ExponentialLR`, `CosineAnnealingLR`,
-`LinearLR` and `ConstantLR` values exactly. They are pure optax (implemented in
+`step_lr`, `multistep_lr`, `exponential_lr`, `cosine_annealing_lr`, `linear_warmup`,
+`constant_lr` and `one_cycle_lr` reproduce torch's `StepLR`, `MultiStepLR`, `ExponentialLR`,
+`CosineAnnealingLR`, `LinearLR`, `ConstantLR` and `OneCycleLR` values exactly (and
+`one_cycle_momentum` the momentum OneCycleLR cycles). They are pure optax (implemented in
 `jaxport.train._optim`, so the JAX training loop needs no torch).
 
 torch idioms, the optax way (each checked against torch in tests/test_optim_probe.py):
@@ -30,6 +31,8 @@ from jaxport.train._optim import cosine_annealing_lr as cosine_annealing_lr
 from jaxport.train._optim import exponential_lr as exponential_lr
 from jaxport.train._optim import linear_warmup as linear_warmup
 from jaxport.train._optim import multistep_lr as multistep_lr
+from jaxport.train._optim import one_cycle_lr as one_cycle_lr
+from jaxport.train._optim import one_cycle_momentum as one_cycle_momentum
 from jaxport.train._optim import per_epoch as per_epoch
 from jaxport.train._optim import rmsprop as rmsprop
 from jaxport.train._optim import sgd as sgd
