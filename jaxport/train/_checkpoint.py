@@ -77,7 +77,17 @@ def manager(workdir: str, max_to_keep: int | None = 3, reader: bool = False) -> 
     path = checkpoint_dir(workdir)
     if reader:
         return _listing(path, lambda: ocp.CheckpointManager(path, options=options, item_handlers=handlers))
-    return ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+    mngr = ocp.CheckpointManager(path, options=options, item_handlers=handlers)
+    # Orbax removes them in a thread that only its `save` waits for: a manager closed without
+    # saving (a resume with nothing left to train, an error before the first step) left the
+    # thread running past `close()`, and where the workdir was deleted meanwhile it logged an
+    # absl ERROR ("_SignalingThread.run() raised an exception: No such file or directory") into
+    # whatever ran next. Waited for here, the removal is done when the manager is returned. (A
+    # private attribute: an orbax without it returns at once, as before.)
+    cleanup = getattr(mngr, "_cleanup_tmp_directory_future", None)
+    if cleanup is not None:
+        cleanup.result()
+    return mngr
 
 
 def _listing(path: str, list_steps: Callable[[], _T]) -> _T:
