@@ -19,7 +19,7 @@ from torch_compat import optim
 SHAPES = {"w": (4, 3), "b": (3,)}
 
 
-def _run_both(make_torch, tx, steps=10):
+def _run_both(make_torch, tx, steps=10, jit=True):
     rng = np.random.default_rng(0)
     params = {k: rng.standard_normal(s) for k, s in SHAPES.items()}
     grads = [{k: rng.standard_normal(s) for k, s in SHAPES.items()} for _ in range(steps)]
@@ -32,7 +32,7 @@ def _run_both(make_torch, tx, steps=10):
     with jax.enable_x64(True):
         p = jax.tree.map(jnp.asarray, params)
         state = tx.init(p)
-        update = jax.jit(tx.update)
+        update = jax.jit(tx.update) if jit else tx.update
         for g in grads:
             u, state = update(jax.tree.map(jnp.asarray, g), state, p)
             p = optax.apply_updates(p, u)
@@ -312,5 +312,89 @@ def test_sgd_with_one_cycle_lr_and_momentum_steps_as_torch():
     (lambda: optim.one_cycle_momentum(20_000_000), r"length \(20,000,000 steps\) must be at most 10,000,000"),
 ])
 def test_one_cycle_refuses_what_torch_refuses_by_name(call, message):
+    with pytest.raises(ConfigError, match=message):
+        call()
+
+
+PLATEAU = [  # torch's ReduceLROnPlateau arguments; the metrics fall, stall, rise and stall again
+    dict(),
+    dict(patience=2, factor=0.5),
+    dict(patience=1, cooldown=2, factor=0.3, min_lr=0.004),
+    dict(mode="max", patience=1, threshold=0.05),
+    dict(mode="max", threshold_mode="abs", threshold=0.02, patience=0),
+    dict(threshold_mode="abs", threshold=0.1, patience=1, eps=0.02),
+    dict(patience=0, factor=0.0),
+    dict(threshold=0.0, patience=1),  # an equal metric is no improvement
+]
+
+
+@pytest.mark.parametrize("kw", PLATEAU)
+def test_reduce_lr_on_plateau_decides_as_torch_at_every_epoch(kw):
+    rng = np.random.default_rng(3)
+    metrics = list(np.concatenate([np.linspace(1.0, 0.5, 8), np.full(6, 0.5), 0.5 + rng.normal(0, 0.01, 12),
+                                   np.linspace(0.5, 0.9, 5), [np.nan, 0.2, 0.2], np.full(30, 0.2)]))
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    sched = L.ReduceLROnPlateau(opt, **kw)
+    plateau = optim.reduce_lr_on_plateau(0.1, **kw)
+    state, lrs = plateau.init(), []
+    for i, m in enumerate(metrics):
+        # the metric as a training loop has it: a float, or a numpy, jax or torch scalar (float32)
+        m = [float, np.float64, jnp.asarray, torch.tensor][i % 4](m)
+        sched.step(m)
+        state = plateau.step(state, m)
+        assert (state.lr, state.best, state.num_bad_epochs, state.cooldown_counter, state.last_epoch) == (
+            opt.param_groups[0]["lr"], sched.best, sched.num_bad_epochs, sched.cooldown_counter,
+            sched.last_epoch), i
+        lrs.append(state.lr)
+    assert len(set(lrs)) > 1 or kw.get("factor") == 0.0 and lrs[-1] == 0.0, lrs  # the cases reduce at least once
+
+
+def test_reduce_lr_on_plateau_drives_sgd_as_torch():
+    """Six "epochs" of two float64 SGD steps, the lr set from the state after each epoch, as
+    torch's scheduler sets its param group."""
+    metrics = [1.0, 0.9, 0.9, 0.9, 0.95, 0.9]
+
+    class Plateau:
+        def __init__(self, ps):
+            self.opt = torch.optim.SGD(ps, lr=0.1, momentum=0.9)
+            self.sched, self.steps = L.ReduceLROnPlateau(self.opt, patience=1, factor=0.5), 0
+
+        def step(self):
+            self.opt.step()
+            self.steps += 1
+            if self.steps % 2 == 0:
+                self.sched.step(metrics[self.steps // 2 - 1])
+                torch_lrs.append(self.opt.param_groups[0]["lr"])
+
+    plateau = optim.reduce_lr_on_plateau(0.1, patience=1, factor=0.5)
+    tx = optax.inject_hyperparams(optim.sgd)(learning_rate=plateau.init().lr, momentum=0.9)
+    lrs, torch_lrs = [], []
+
+    def init(params):  # the optimizer, and the lr set after every second update as the loop above does
+        return {"inner": tx.init(params), "steps": 0, "sched": plateau.init()}
+
+    def update(updates, state, params=None):
+        u, inner = tx.update(updates, state["inner"], params)
+        steps, s = state["steps"] + 1, state["sched"]
+        if steps % 2 == 0:
+            s = plateau.step(s, metrics[steps // 2 - 1])
+            inner.hyperparams["learning_rate"] = jnp.asarray(s.lr, inner.hyperparams["learning_rate"].dtype)
+            lrs.append(s.lr)
+        return u, {"inner": inner, "steps": steps, "sched": s}
+
+    _run_both(Plateau, optax.GradientTransformation(init, update), steps=12, jit=False)
+    assert lrs == torch_lrs == [0.1, 0.1, 0.1, 0.05, 0.05, 0.025], (lrs, torch_lrs)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: optim.reduce_lr_on_plateau(0.1, factor=1.0), r"`factor` \(=1.0\) must be < 1"),
+    (lambda: optim.reduce_lr_on_plateau(0.1, mode="minimum"), r"`mode` \(='minimum'\) must be 'min'"),
+    (lambda: optim.reduce_lr_on_plateau(0.1, threshold_mode="relative"), r"`threshold_mode` \(='relative'\) must be"),
+    (lambda: optim.reduce_lr_on_plateau(0.1, patience=-1), r"`patience` \(=-1\) must be a whole number >= 0"),
+    (lambda: optim.reduce_lr_on_plateau(0.1, min_lr=float("nan")), r"`min_lr` \(=nan\) must be a finite number"),
+    (lambda: optim.reduce_lr_on_plateau(0.1).step(optim.reduce_lr_on_plateau(0.1).init(), "low"),
+     r"`metric` \(='low'\) must be a number or a 0-d array"),
+])
+def test_reduce_lr_on_plateau_refuses_by_name(call, message):
     with pytest.raises(ConfigError, match=message):
         call()

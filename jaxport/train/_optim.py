@@ -18,6 +18,7 @@ looking the result up by step.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable, NamedTuple, Sequence
 
@@ -763,6 +764,114 @@ def one_cycle_momentum(total_steps: int | None = None, *, epochs: int | None = N
     ends = (max_momentum, base_momentum, max_momentum, max_momentum) if three_phase else (
         max_momentum, base_momentum, max_momentum)
     return _one_cycle(ends, total, pct_start, anneal_strategy, three_phase, "momentum")
+
+
+class PlateauState(NamedTuple):
+    """`reduce_lr_on_plateau`'s state: Python numbers, kept on the host (save it with a
+    checkpoint as `state._asdict()`; `PlateauState(**d)` restores it). The fields are torch's
+    ReduceLROnPlateau attributes of the same names; `lr` is its param group's lr."""
+
+    lr: float
+    best: float
+    num_bad_epochs: int
+    cooldown_counter: int
+    last_epoch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceLROnPlateau:
+    """torch's `ReduceLROnPlateau`, as `init` and `step` on a `PlateauState` (see `reduce_lr_on_plateau`)."""
+
+    lr: float
+    mode: str
+    factor: float
+    patience: int
+    threshold: float
+    threshold_mode: str
+    cooldown: int
+    min_lr: float
+    eps: float
+
+    def init(self) -> PlateauState:
+        """The state before the first `step`: the lr given, no best value yet."""
+        return PlateauState(lr=self.lr, best=math.inf if self.mode == "min" else -math.inf, num_bad_epochs=0,
+                            cooldown_counter=0, last_epoch=0)
+
+    def step(self, state: PlateauState, metric) -> PlateauState:
+        """torch's `scheduler.step(metric)`: the state after one more epoch whose result is
+        `metric` (a number, or a 0-d jax, numpy or torch array). A NaN metric is never better,
+        as in torch."""
+        try:
+            current = float(metric)
+        except (TypeError, ValueError):
+            raise ConfigError(f"`metric` (={metric!r}) must be a number or a 0-d array: the epoch's result, e.g. its "
+                              "validation loss") from None
+        best, bad, cooldown, lr = state.best, state.num_bad_epochs, state.cooldown_counter, state.lr
+        if self._is_better(current, best):
+            best, bad = current, 0
+        else:
+            bad += 1
+        if cooldown > 0:  # ignore bad epochs in cooldown
+            cooldown, bad = cooldown - 1, 0
+        if bad > self.patience:
+            new_lr = max(lr * self.factor, self.min_lr)
+            if lr - new_lr > self.eps:  # torch leaves the lr when the change is below eps
+                lr = new_lr
+            cooldown, bad = self.cooldown, 0
+        return PlateauState(lr=lr, best=best, num_bad_epochs=bad, cooldown_counter=cooldown,
+                            last_epoch=state.last_epoch + 1)
+
+    def _is_better(self, a: float, best: float) -> bool:  # torch's, comparison for comparison
+        if self.mode == "min":
+            return a < best * (1.0 - self.threshold) if self.threshold_mode == "rel" else a < best - self.threshold
+        return a > best * (self.threshold + 1.0) if self.threshold_mode == "rel" else a > best + self.threshold
+
+
+def reduce_lr_on_plateau(lr: float, *, mode: str = "min", factor: float = 0.1, patience: int = 10,
+                         threshold: float = 1e-4, threshold_mode: str = "rel", cooldown: int = 0,
+                         min_lr: float = 0.0, eps: float = 1e-8) -> ReduceLROnPlateau:
+    """torch's `ReduceLROnPlateau(optimizer, mode, factor, patience, threshold, threshold_mode,
+    cooldown, min_lr, eps)` starting from the optimizer's `lr`, decision for decision.
+
+    It reads a metric once per epoch on the host, so it is not a schedule of the step count:
+    `init()` gives the state, `step(state, metric)` the next one (torch's
+    `scheduler.step(val_loss)`), and its `lr` goes to the optimizer through
+    `optax.inject_hyperparams`:
+
+      >>> import optax
+      >>> plateau = reduce_lr_on_plateau(0.1, patience=2)
+      >>> sched = plateau.init()
+      >>> tx = optax.inject_hyperparams(sgd)(learning_rate=sched.lr, momentum=0.9)
+      >>> opt_state = tx.init({"w": jnp.zeros(3)})
+      >>> for val_loss in [1.0, 1.0, 1.0, 1.0]:  # each epoch: train, evaluate, then
+      ...     sched = plateau.step(sched, val_loss)
+      ...     opt_state.hyperparams["learning_rate"] = jnp.asarray(sched.lr)
+      >>> round(sched.lr, 6)
+      0.01
+
+    The lr is a Python float, as torch's, rounded once where the optimizer reads it.
+    `optax.contrib.reduce_on_plateau` is another rule (it scales the updates, counts steps, and
+    compares with both a relative and an absolute tolerance).
+
+    Raises:
+      ConfigError: what torch refuses (`factor` >= 1, another mode or threshold_mode), and
+        negative or non-finite settings, by name.
+    """
+    lr = finite("lr", lr, minimum=0, hint=", as torch.optim's learning rate")
+    if mode not in ("min", "max"):
+        raise ConfigError(f"`mode` (={mode!r}) must be 'min' (the metric should fall, e.g. a loss) or 'max' (rise, "
+                          "e.g. an accuracy), as torch's ReduceLROnPlateau")
+    if threshold_mode not in ("rel", "abs"):
+        raise ConfigError(f"`threshold_mode` (={threshold_mode!r}) must be 'rel' or 'abs', as torch's "
+                          "ReduceLROnPlateau")
+    factor = finite("factor", factor, minimum=0)
+    if factor >= 1:
+        raise ConfigError(f"`factor` (={factor}) must be < 1: the lr is multiplied by it on a plateau, as torch's "
+                          "ReduceLROnPlateau (which refuses it too)")
+    return ReduceLROnPlateau(lr=lr, mode=mode, factor=factor, patience=whole("patience", patience, 0),
+                             threshold=finite("threshold", threshold), threshold_mode=threshold_mode,
+                             cooldown=whole("cooldown", cooldown, 0), min_lr=finite("min_lr", min_lr, minimum=0),
+                             eps=finite("eps", eps, minimum=0))
 
 
 def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> optax.GradientTransformation:

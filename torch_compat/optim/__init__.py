@@ -5,7 +5,8 @@
 `step_lr`, `multistep_lr`, `exponential_lr`, `cosine_annealing_lr`, `linear_warmup`,
 `constant_lr` and `one_cycle_lr` reproduce torch's `StepLR`, `MultiStepLR`, `ExponentialLR`,
 `CosineAnnealingLR`, `LinearLR`, `ConstantLR` and `OneCycleLR` values exactly (and
-`one_cycle_momentum` the momentum OneCycleLR cycles). They are pure optax (implemented in
+`one_cycle_momentum` the momentum OneCycleLR cycles); `reduce_lr_on_plateau` decides as torch's
+`ReduceLROnPlateau`, on the host, once per epoch. They are pure optax (implemented in
 `jaxport.train._optim`, so the JAX training loop needs no torch).
 
 torch idioms, the optax way (each checked against torch in tests/test_optim_probe.py):
@@ -33,7 +34,10 @@ from jaxport.train._optim import linear_warmup as linear_warmup
 from jaxport.train._optim import multistep_lr as multistep_lr
 from jaxport.train._optim import one_cycle_lr as one_cycle_lr
 from jaxport.train._optim import one_cycle_momentum as one_cycle_momentum
+from jaxport.train._optim import PlateauState as PlateauState
+from jaxport.train._optim import ReduceLROnPlateau as ReduceLROnPlateau
 from jaxport.train._optim import per_epoch as per_epoch
+from jaxport.train._optim import reduce_lr_on_plateau as reduce_lr_on_plateau
 from jaxport.train._optim import rmsprop as rmsprop
 from jaxport.train._optim import sgd as sgd
 from jaxport.train._optim import step_lr as step_lr
