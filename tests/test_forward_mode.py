@@ -34,13 +34,28 @@ def _build(arch, **kwargs):
 
 @functools.cache
 def _setup(arch, dtype=jnp.float64, size=16):
-    # Built with one jitted init and numpy: eager jax ops compile once per parameter shape
-    # (~40 shapes), which took more of each test than the derivatives it checks.
+    # Drawn with numpy as the model's initialisers draw (torchvision's): eager jax ops compiled
+    # once per parameter shape (~40 shapes), and one jitted init took ~4 s to compile per
+    # architecture and size, more of each test than the derivatives it checks.
     fast = _build(arch)
     plain = _build(arch, custom_vjps=False)
     x = np.random.default_rng(0).standard_normal((2, size, size, 3)).astype(dtype)
-    variables = jax.tree.map(np.asarray, jax.jit(fast.init)(jax.random.PRNGKey(1), x))
-    variables = jax.tree.map(lambda a: a.astype(dtype) if np.issubdtype(a.dtype, np.floating) else a, variables)
+    rng = np.random.default_rng(1)
+
+    def draw(path, s):
+        name, fan_in = path[-1].key, int(np.prod(s.shape[:-1]))
+        if name == "kernel" and len(s.shape) == 4:  # kaiming_normal_(mode="fan_out"): HWIO, fan out = H W O
+            return rng.normal(0.0, np.sqrt(2.0 / (s.shape[0] * s.shape[1] * s.shape[3])), s.shape)
+        if name == "kernel":  # nn.Linear's uniform, 1 / sqrt(fan in) wide
+            return rng.uniform(-1.0, 1.0, s.shape) / np.sqrt(fan_in)
+        if path[0].key == "params" and path[-2].key == "fc":  # its bias: as wide, about
+            return rng.uniform(-0.05, 0.05, s.shape)
+        return np.ones(s.shape) if name in ("scale", "var") else np.zeros(s.shape)
+
+    shapes = jax.eval_shape(fast.init, jax.random.PRNGKey(1), x)
+    variables = jax.tree_util.tree_map_with_path(
+        lambda p, s: draw(p, s).astype(dtype) if np.issubdtype(s.dtype, np.floating) else np.zeros(s.shape, s.dtype),
+        shapes)
     # Non-default running statistics, so eval mode is not an identity BatchNorm.
     stats = jax.tree.map(lambda a: np.abs(a) + 0.5 + 0.1 * np.arange(a.size, dtype=a.dtype).reshape(a.shape),
                          variables["batch_stats"])
