@@ -12,6 +12,7 @@ the point is that torch and JAX make the same one. The photo is a real one that 
 scikit-learn.
 """
 import argparse
+import json
 import os
 import sys
 
@@ -49,6 +50,7 @@ def main() -> int:
                              "`jaxport verify` (this example compares class predictions)")
     args = parser.parse_args()
     path = args.checkpoint or torch_compat.default_checkpoint()
+    named = not os.path.exists(path) and not path.startswith(("http://", "https://"))  # a weights name, if any
     if not os.path.exists(path):  # torchvision's pretrained weights by name or URL; else says it does not exist
         path = str(torch_compat.download_checkpoint(path))
     # save_variables refuses a directory, a device or a FIFO, but cannot know what was read:
@@ -67,7 +69,10 @@ def main() -> int:
         state_dict = torch_compat.backbone_state_dict(state_dict)
     arch = torch_compat.detect_arch(state_dict)
     variables = torch_compat.torch_to_flax(state_dict, arch)
-    jaxport.save_variables(args.out, variables, arch=arch)
+    # torchvision's weights by name: what it keeps beside them (class names, evaluation
+    # transform, accuracy) goes into the port's header, as `jaxport port NAME` writes it.
+    meta = torch_compat.weights_metadata(args.checkpoint, torch_compat.num_classes_of(state_dict)) if named else None
+    jaxport.save_variables(args.out, variables, arch=arch, metadata=meta)
     variables = jaxport.load_variables(args.out)  # what a JAX-only program would do
     num_classes = torch_compat.num_classes_of(state_dict)
     if not num_classes:
@@ -93,8 +98,14 @@ def main() -> int:
     rel = np.abs(jax_logits - torch_logits).max() / np.abs(torch_logits).max()
     print(f"max |jax - torch| / max |torch| on the logits: {rel:.2e}")
 
-    # 4. The prediction, by both.
-    categories = torchvision.models.ResNet50_Weights.IMAGENET1K_V1.meta["categories"]
+    # 4. The prediction, by both, named by the port's header where it records the class names (a
+    # port of torchvision's weights by name), else by ImageNet's for 1000 classes.
+    header = jaxport.read_metadata(args.out)
+    if "categories" in header:
+        categories = json.loads(header["categories"])
+        print(f"class names: the port's metadata ({header['weights']})")
+    else:
+        categories = torchvision.models.ResNet50_Weights.IMAGENET1K_V1.meta["categories"]
     names = categories if num_classes == len(categories) else [f"class {i}" for i in range(num_classes)]
     top_torch = np.argsort(-torch_logits[0])[:5]
     top_jax = np.argsort(-jax_logits[0])[:5]

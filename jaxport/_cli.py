@@ -89,24 +89,21 @@ def _local_checkpoint(spec: str) -> str:
 
 
 def _weights_metadata(name: str, num_classes: int) -> dict[str, str]:
-    """`torch_compat.weights_metadata(name)` for the port's header, said in one line. Without the
-    categories and accuracy where the port's classifier is not theirs: a backbone
-    (--backbone-only) has none."""
+    """`torch_compat.weights_metadata(name, num_classes)` for the port's header, said in one line."""
     import json
 
     from torch_compat import weights_metadata
 
-    meta = weights_metadata(name)
-    named = len(json.loads(meta["categories"]))
-    if num_classes != named:  # a backbone; or a file at their URL that is not theirs (its name had no digest)
-        meta = {k: v for k, v in meta.items() if k not in ("categories", "metrics")}
+    meta, named = weights_metadata(name, num_classes), len(json.loads(weights_metadata(name)["categories"]))
+    left_out = ""
+    if "categories" not in meta and num_classes:  # a file at their URL that is not theirs (its name had no digest)
+        left_out = (f"; not their {named} categories and accuracy, which describe no output of this "
+                    f"{num_classes}-class port")
     pre = json.loads(meta["preprocess"])
-    what = ([f"{named} categories"] if "categories" in meta else
-            [f"its {named} categories and accuracy describe no output of this {num_classes}-class port: not recorded"]
-            if num_classes else [])
+    what = [f"{named} categories"] if "categories" in meta else []
     what += [f"{data} acc@1 {m['acc@1']}" for data, m in json.loads(meta.get("metrics", "{}")).items() if "acc@1" in m]
     what += [f"evaluated at resize {pre['resize_size'][0]}, crop {pre['crop_size'][0]}"]
-    print(f"weights: {meta['weights']} ({', '.join(what)}): recorded in the port's metadata")
+    print(f"weights: {meta['weights']} ({', '.join(what)}): recorded in the port's metadata{left_out}")
     return meta
 
 

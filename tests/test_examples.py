@@ -1,4 +1,5 @@
 """The examples run and report agreement (each exits non-zero when torch and JAX disagree)."""
+import json
 import os
 import runpy
 import subprocess
@@ -70,6 +71,10 @@ def test_port_resnet_example_takes_torchvision_weights_by_name(tmp_path, monkeyp
     hub = tmp_path / "torch_home" / "hub" / "checkpoints" / "resnet18.pth"
     assert f"downloading ResNet18_Weights.IMAGENET1K_V1 ({url}/resnet18.pth) to {hub}" in proc.stdout, proc.stdout
     assert f"{hub}: resnet18, 1000 classes" in proc.stdout and "same prediction: True" in proc.stdout, proc.stdout
+    # the class names come from the port's own header, as a program without torchvision reads them
+    assert "class names: the port's metadata (ResNet18_Weights.IMAGENET1K_V1)" in proc.stdout, proc.stdout
+    header = jaxport.read_metadata(tmp_path / "ported.safetensors")
+    assert json.loads(header["categories"]) == torchvision.models.ResNet18_Weights.IMAGENET1K_V1.meta["categories"]
 
 
 def test_port_resnet_example_takes_the_prefix_its_errors_name(tmp_path, monkeypatch, capsys):

@@ -133,7 +133,7 @@ def download_checkpoint(name_or_url: str, *, progress: bool = True,
     return dst
 
 
-def weights_metadata(name: str) -> dict[str, str]:
+def weights_metadata(name: str, num_classes: int | None = None) -> dict[str, str]:
     """What torchvision records of the weights `name` beside their file, as string metadata for
     a port's header (`jaxport.save_variables(..., metadata=...)`; `jaxport port NAME` writes it),
     so that a program with no torchvision can name the classes and preprocess as the weights
@@ -147,6 +147,10 @@ def weights_metadata(name: str) -> dict[str, str]:
       one architecture: IMAGENET1K_V2 resizes to 232 px, V1 to 256;
     - `metrics`: JSON of their published accuracy (`{"ImageNet-1K": {"acc@1": ..., "acc@5": ...}}`);
     - `recipe`: the URL of their training recipe.
+
+    With `num_classes` (the port's classifier size, 0 for a backbone), `categories` and
+    `metrics` are left out unless the weights name that many classes: they would describe no
+    output of the port (a `--backbone-only` port, or a file at their URL that is not theirs).
 
     Raises:
       ConfigError: not a weights name of the ResNet family, listing the names (as `download_checkpoint`).
@@ -165,4 +169,6 @@ def weights_metadata(name: str) -> dict[str, str]:
             "preprocess": json.dumps(preprocess), "metrics": json.dumps(w.meta.get("_metrics", {}))}
     if w.meta.get("recipe"):
         meta["recipe"] = w.meta["recipe"]
+    if num_classes is not None and num_classes != len(w.meta["categories"]):
+        del meta["categories"], meta["metrics"]
     return meta
