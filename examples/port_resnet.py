@@ -71,10 +71,10 @@ def main() -> int:
     variables = torch_compat.torch_to_flax(state_dict, arch)
     # torchvision's weights by name: what it keeps beside them (class names, evaluation
     # transform, accuracy) goes into the port's header, as `jaxport port NAME` writes it.
-    meta = torch_compat.weights_metadata(args.checkpoint, torch_compat.num_classes_of(state_dict)) if named else None
+    num_classes = torch_compat.num_classes_of(state_dict)
+    meta = torch_compat.weights_metadata(args.checkpoint, num_classes) if named else None
     jaxport.save_variables(args.out, variables, arch=arch, metadata=meta)
     variables = jaxport.load_variables(args.out)  # what a JAX-only program would do
-    num_classes = torch_compat.num_classes_of(state_dict)
     if not num_classes:
         sys.exit(f"port_resnet.py: '{path}' is a {arch} backbone without a classifier (ported to {args.out}); "
                  "this example compares class predictions: check a backbone with `jaxport verify`")

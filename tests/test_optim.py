@@ -388,6 +388,7 @@ def test_reduce_lr_on_plateau_drives_sgd_as_torch():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: optim.reduce_lr_on_plateau(0.1, factor=1.0), r"`factor` \(=1.0\) must be < 1"),
+    (lambda: optim.ReduceLROnPlateau(0.1, "min", 1.5, 10, 1e-4, "rel", 0, 0.0, 1e-8), r"`factor` \(=1.5\) must be < 1"),
     (lambda: optim.reduce_lr_on_plateau(0.1, mode="minimum"), r"`mode` \(='minimum'\) must be 'min'"),
     (lambda: optim.reduce_lr_on_plateau(0.1, threshold_mode="relative"), r"`threshold_mode` \(='relative'\) must be"),
     (lambda: optim.reduce_lr_on_plateau(0.1, patience=-1), r"`patience` \(=-1\) must be a whole number >= 0"),

@@ -792,6 +792,25 @@ class ReduceLROnPlateau:
     min_lr: float
     eps: float
 
+    def __post_init__(self):
+        """Checked here, however it is made (`reduce_lr_on_plateau`, or this class directly):
+        what torch refuses, and negative or non-finite settings, by name."""
+        if self.mode not in ("min", "max"):
+            raise ConfigError(f"`mode` (={self.mode!r}) must be 'min' (the metric should fall, e.g. a loss) or 'max' "
+                              "(rise, e.g. an accuracy), as torch's ReduceLROnPlateau")
+        if self.threshold_mode not in ("rel", "abs"):
+            raise ConfigError(f"`threshold_mode` (={self.threshold_mode!r}) must be 'rel' or 'abs', as torch's "
+                              "ReduceLROnPlateau")
+        checked = dict(lr=finite("lr", self.lr, minimum=0, hint=", as torch.optim's learning rate"),
+                       factor=finite("factor", self.factor, minimum=0), patience=whole("patience", self.patience, 0),
+                       threshold=finite("threshold", self.threshold), cooldown=whole("cooldown", self.cooldown, 0),
+                       min_lr=finite("min_lr", self.min_lr, minimum=0), eps=finite("eps", self.eps, minimum=0))
+        if checked["factor"] >= 1:
+            raise ConfigError(f"`factor` (={checked['factor']}) must be < 1: the lr is multiplied by it on a plateau, "
+                              "as torch's ReduceLROnPlateau (which refuses it too)")
+        for name, value in checked.items():  # plain Python numbers (frozen: set as dataclasses do)
+            object.__setattr__(self, name, value)
+
     def init(self) -> PlateauState:
         """The state before the first `step`: the lr given, no best value yet."""
         return PlateauState(lr=self.lr, best=math.inf if self.mode == "min" else -math.inf, num_bad_epochs=0,
@@ -857,21 +876,8 @@ def reduce_lr_on_plateau(lr: float, *, mode: str = "min", factor: float = 0.1, p
       ConfigError: what torch refuses (`factor` >= 1, another mode or threshold_mode), and
         negative or non-finite settings, by name.
     """
-    lr = finite("lr", lr, minimum=0, hint=", as torch.optim's learning rate")
-    if mode not in ("min", "max"):
-        raise ConfigError(f"`mode` (={mode!r}) must be 'min' (the metric should fall, e.g. a loss) or 'max' (rise, "
-                          "e.g. an accuracy), as torch's ReduceLROnPlateau")
-    if threshold_mode not in ("rel", "abs"):
-        raise ConfigError(f"`threshold_mode` (={threshold_mode!r}) must be 'rel' or 'abs', as torch's "
-                          "ReduceLROnPlateau")
-    factor = finite("factor", factor, minimum=0)
-    if factor >= 1:
-        raise ConfigError(f"`factor` (={factor}) must be < 1: the lr is multiplied by it on a plateau, as torch's "
-                          "ReduceLROnPlateau (which refuses it too)")
-    return ReduceLROnPlateau(lr=lr, mode=mode, factor=factor, patience=whole("patience", patience, 0),
-                             threshold=finite("threshold", threshold), threshold_mode=threshold_mode,
-                             cooldown=whole("cooldown", cooldown, 0), min_lr=finite("min_lr", min_lr, minimum=0),
-                             eps=finite("eps", eps, minimum=0))
+    return ReduceLROnPlateau(lr=lr, mode=mode, factor=factor, patience=patience, threshold=threshold,
+                             threshold_mode=threshold_mode, cooldown=cooldown, min_lr=min_lr, eps=eps)
 
 
 def clip_grad_norm(max_norm: float, norm_type: float = 2.0) -> optax.GradientTransformation:
