@@ -147,6 +147,7 @@ def test_a_missing_workdir_is_one_line(capsys):
 @pytest.mark.parametrize("flags, message", [
     # Parsed, then refused by `TrainConfig`'s checks before any work: the same one-line shape.
     (["--epochs", "0"], "`--epochs` (=0) must be >= 1"),
+    (["--grad-accum-steps", "0"], "`--grad-accum-steps` (=0) must be >= 1"),
     (["--batch-size", "-8"], "`--batch-size` (=-8) must be a positive integer or 'auto'"),
     (["--lr", "nan"], "`--lr` (=nan) must be a finite number > 0"),
     (["--lr", "1e400"], "`--lr` (=inf) must be a finite number > 0"),
@@ -267,6 +268,8 @@ def test_a_workdir_that_is_a_file_is_refused(capsys, tmp_path):
     (["--model-ema-steps", "4"], "model_ema_steps", 4),
     ([], "model_ema_decay", 0.99998),
     (["--model-ema-decay", "0.999"], "model_ema_decay", 0.999),
+    ([], "grad_accum_steps", 1),  # one pass a step: what runs trained with before the flag
+    (["--grad-accum-steps", "4"], "grad_accum_steps", 4),
 ])
 def test_values_that_parse(flags, field, value):
     assert getattr(_parsed(*flags), field) == value
@@ -316,6 +319,8 @@ def test_settings_that_change_the_training_must_agree_across_processes():
     # another data order and epoch length on one process would hang its last steps or train other batches
     assert (default["--ra-sampler"], _flags(_parsed("--ra-sampler"))["--ra-sampler"]) == (False, True)
     assert (default["--ra-reps"], _flags(_parsed("--ra-reps", "4"))["--ra-reps"]) == (3, 4)
+    # another split of the batch into passes: other BatchNorm statistics, another program
+    assert (default["--grad-accum-steps"], _flags(_parsed("--grad-accum-steps", "2"))["--grad-accum-steps"]) == (1, 2)
 
 
 def test_help_shows_every_flag_with_its_real_default(capsys):

@@ -22,7 +22,7 @@ _NOT_FLAGS = {"--devices": "jaxport train uses every device jax sees: hide the o
 # The smallest value each integer flag takes, said in its type error (TrainConfig checks ranges).
 _MINIMUM = {"--epochs": 1, "--image-size": 1, "--seed": 0, "--checkpoint-every": 1, "--keep-checkpoints": 1,
             "--workers": 0, "--max-steps": 1, "--num-processes": 1, "--process-id": 0, "--lr-step-size": 1,
-            "--lr-warmup-epochs": 0, "--model-ema-steps": 1, "--ra-reps": 1}
+            "--lr-warmup-epochs": 0, "--model-ema-steps": 1, "--ra-reps": 1, "--grad-accum-steps": 1}
 
 
 def _integer(flag: str, expected: str = ""):
@@ -103,6 +103,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--batch-size", type=_batch_size, default=d.batch_size, metavar="N",
                    help="global batch (divisible by the device count), or 'auto': the largest that fits "
                         "(default: %(default)s)")
+    p.add_argument("--grad-accum-steps", type=_integer("--grad-accum-steps"), default=d.grad_accum_steps,
+                   metavar="N", help="passes per step, each over 1/N of every device's batch, their gradients "
+                   "accumulated into one update (torch's loss / N; backward() per chunk): the same --batch-size "
+                   "in less memory; BatchNorm normalises each chunk alone (default: %(default)s)")
     # given (even at its default), it must agree with --train-crop-size (`config_from_args`)
     p.add_argument("--image-size", type=_integer("--image-size"), default=d.image_size, metavar="PIXELS",
                    action=_Given, help="side of the square training images; with --data, the training crop and "

@@ -65,6 +65,10 @@ class TrainConfig:
     arch: str = "resnet18"
     epochs: int = 8  # 6 reached 0.950-0.983 held-out over seeds and thread counts; 8: 0.972-0.983
     batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
+    # Passes per step, each over 1/N of every device's batch, their gradients accumulated into
+    # one update (`make_train_step(accum_steps=)`): the batch's memory divided by N. With "auto"
+    # batch size, the largest per-device pass that fits, times N.
+    grad_accum_steps: int = 1
     image_size: int = 32
     lr: float = 0.05
     momentum: float = 0.9  # SGD's and RMSprop's (AdamW has none)
@@ -166,7 +170,8 @@ def _validate(cfg: TrainConfig) -> None:
     one_of("--arch", cfg.arch, list(ARCHS))
     # The library takes any Python value: a float, bool or string in an integer setting failed deep
     # in numpy or jax (or ran with 1.5 or True), naming none of the settings.
-    for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "ra_reps"):
+    for name in ("epochs", "image_size", "checkpoint_every", "keep_checkpoints", "max_steps", "devices", "ra_reps",
+                 "grad_accum_steps"):
         value = getattr(cfg, name)
         flag = name if name == "devices" else "--" + name.replace("_", "-")  # `devices`: library only
         if value is not None and not is_int(value):
@@ -392,7 +397,8 @@ def _latest_step(workdir: str) -> int | None:
 def _flags(cfg: TrainConfig) -> dict:
     """The settings every process of a run must share, keyed by flag. Paths are left out (each
     machine may mount --data and --workdir elsewhere): their contents are checked instead."""
-    shared = ("arch", "epochs", "batch_size", "image_size", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS,
+    shared = ("arch", "epochs", "batch_size", "grad_accum_steps", "image_size", "lr", "momentum", "weight_decay",
+              *_recipe.DEFAULTS,
               "model_ema", "model_ema_steps", "model_ema_decay", *_presets.DEFAULTS,
               "seed", "sync_bn", "bn_stats", "bn_mode", "label_smoothing", "mixup_alpha", "cutmix_alpha", "resume",
               "dtype",
@@ -410,15 +416,23 @@ def _min_per_device(image_size: int, sync_bn: bool, n_dev: int, bn_mode: str = "
 
 
 def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n_dev: int,
-                              resumed_devices: int | None = None, bn_mode: str = "train") -> None:
+                              resumed_devices: int | None = None, bn_mode: str = "train", accum: int = 1) -> None:
     """Refuse, before compiling, a step whose BatchNorm at layer4 sees one value per channel.
 
     `resumed_devices`: the device count of the checkpoint's run when this run resumes one (0 if
     unknown). A resumed run keeps the checkpoint's batch and image size (--resume refuses
     others), so only --sync-bn or the device count can fix it there."""
-    if per_device >= _min_per_device(image_size, sync_bn, n_dev, bn_mode):
+    low = _min_per_device(image_size, sync_bn, n_dev, bn_mode)
+    if per_device // accum >= low:
         return
     side = layer4_side(image_size)
+    if accum > 1:  # each pass normalises its chunk alone: fewer passes, not another batch, is the fix
+        fits = max(d for d in range(1, accum) if per_device % d == 0 and per_device // d >= low)  # 1 does
+        fix = f"use --grad-accum-steps {fits}" + ("" if sync_bn or n_dev == 1 else ", or --sync-bn")
+        raise ConfigError(f"`--grad-accum-steps` (={accum}) splits the {per_device} images per device into passes of "
+                          f"{per_device // accum}, and at `--image-size` (={image_size}) layer4's maps are "
+                          f"{side}x{side}: train-mode BatchNorm would see one value per channel in each pass, which "
+                          f"torch refuses (every output would be the bias); {fix}")
     sync = [] if sync_bn or n_dev == 1 else ["--sync-bn"]
     if resumed_devices is None:
         fixes = f"use {' or '.join([f'--batch-size {2 * n_dev} (2 per device)'] + sync)}, or --image-size 33 or more"
@@ -430,6 +444,22 @@ def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n
     raise ConfigError(f"`--batch-size` (={per_device * n_dev}) gives {per_device} image per device, and at "
                       f"`--image-size` (={image_size}) layer4's maps are {side}x{side}: train-mode BatchNorm would see "
                       f"one value per channel, which torch refuses (every output would be the bias); {fixes}")
+
+
+def _check_accum(batch: int, n_dev: int, accum: int) -> None:
+    """Refuse a per-device batch that `--grad-accum-steps` does not split into equal passes,
+    naming the step counts and the batch sizes that do."""
+    per_device = batch // n_dev
+    if per_device % accum == 0:
+        return
+    steps = [d for d in range(2, per_device + 1) if per_device % d == 0]
+    unit = n_dev * accum
+    down, up = batch // unit * unit, (batch // unit + 1) * unit
+    sizes = f"--batch-size {up}" if not down else f"--batch-size {down} or {up}"
+    raise ConfigError(f"`--grad-accum-steps` (={accum}) must divide the images per device (`--batch-size` {batch} over "
+                      f"{n_dev} device(s): {per_device}) into equal passes; use "
+                      + (f"--grad-accum-steps {' or '.join(map(str, steps[:4]))}, or " if steps else "")
+                      + f"{sizes} (multiples of {unit})")
 
 
 def _recorded_devices(meta: dict | None) -> int:
@@ -451,8 +481,14 @@ def _check_auto_batch_fits_data(cfg: TrainConfig, total: int, n_dev: int) -> Non
              "multiple of 256 as torchvision's RASampler does)" if cfg.ra_sampler else
              f"the training set ({num_examples} images)")
     low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode)
-    if num_examples >= low * n_dev:
+    k = cfg.grad_accum_steps
+    if num_examples >= low * k * n_dev:
         return
+    if num_examples >= low * n_dev:  # one pass fits the data: fewer of them do
+        raise ConfigError(f"`--batch-size auto` with `--grad-accum-steps` (={k}): {epoch} gives at most "
+                          f"{num_examples // n_dev} images per device on {n_dev} device(s), fewer than {k} passes of "
+                          f"{low}, the smallest pass; use --grad-accum-steps {num_examples // n_dev // low} or fewer, "
+                          "or more training images")
     if num_examples < n_dev:
         raise ConfigError(f"`--batch-size auto`: {epoch} has fewer images than the "
                           f"{n_dev} devices, and a step needs at least one image per device; add training images"
@@ -574,13 +610,13 @@ def _run_meta(cfg: TrainConfig, data, files: dict[str, str]) -> dict:
 # change only where it stays the same (`_check_optimizer_state`).
 # (--train-crop-size is not: it is the run's --image-size, which a resume must keep.)
 _RESUMABLE = ("epochs", "lr", "momentum", "weight_decay", *_recipe.DEFAULTS, "sync_bn", "bn_stats", "bn_mode",
-              "label_smoothing",
+              "label_smoothing", "grad_accum_steps",
               "mixup_alpha", "cutmix_alpha", "dtype", "model_ema", "model_ema_steps", "model_ema_decay",
               *(k for k in _presets.DEFAULTS if k != "train_crop_size"))
 # What checkpoints written before a setting was recorded trained with, so that a resume with
 # another value says so too (and one with the same values, silently).
 _BEFORE_RECORDED = {"bn_stats": "mean", "bn_mode": "train", "label_smoothing": 0.0, "mixup_alpha": 0.0,
-                    "cutmix_alpha": 0.0,
+                    "cutmix_alpha": 0.0, "grad_accum_steps": 1,
                     **_recipe.DEFAULTS,
                     **{k: getattr(TrainConfig, k) for k in ("model_ema", "model_ema_steps", "model_ema_decay")},
                     # (not the held-out sizes: earlier runs derived them from --image-size, unrecorded)
@@ -593,7 +629,8 @@ def _step_options(cfg: TrainConfig) -> dict:
     place, so that the steps `--batch-size auto` and the out-of-memory advice measure are the
     one that trains."""
     return {"running_stats": cfg.bn_stats, "batchnorm": cfg.bn_mode, "label_smoothing": cfg.label_smoothing,
-            "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed}
+            "mixup_alpha": cfg.mixup_alpha, "cutmix_alpha": cfg.cutmix_alpha, "seed": cfg.seed,
+            "accum_steps": cfg.grad_accum_steps}
 
 
 # A process that calls `train` again (a notebook's reruns, a resumed run, a test suite) gets the
@@ -639,6 +676,7 @@ def _test_only(cfg: TrainConfig, data: _data.Data, say: Callable[[str], None]) -
     is torchvision's Acc@5 (the label among the 5 largest logits; all of them with fewer classes)."""
     mesh = make_mesh(jax.devices()[:cfg.devices] if cfg.devices else None)
     check_batch_size(cfg.batch_size, mesh.devices.size, "--batch-size")
+    _check_accum(cfg.batch_size, mesh.devices.size, cfg.grad_accum_steps)  # evaluated in one pass's batches
     model = build(cfg.arch, num_classes=data.num_classes, dtype=jnp.bfloat16 if cfg.dtype == "bfloat16" else None)
     shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.image_size, cfg.image_size, 3)))
     if cfg.resume:
@@ -664,7 +702,8 @@ def _test_only(cfg: TrainConfig, data: _data.Data, say: Callable[[str], None]) -
                           "weights as they are: give weights trained on these classes, or train (without "
                           "--test-only) to fit a new classifier")
     variables = fit_head(variables, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes), lambda m: None, cfg.arch)
-    row = _evaluate(make_eval_step(model, mesh), replicate(variables, mesh), data.val, cfg.batch_size, mesh, top5=True)
+    row = _evaluate(make_eval_step(model, mesh), replicate(variables, mesh), data.val,
+                    cfg.batch_size // cfg.grad_accum_steps, mesh, top5=True)
     say(f"--test-only: {what} on {data.val.num_examples} held-out images of {data.num_classes} classes: val loss "
         f"{row['val_loss']:.4f} acc {row['val_acc']:.4f} (top-5 {row['val_acc5']:.4f})")
     return row | {"test_only": what}
@@ -748,8 +787,10 @@ def _changes(saved: dict | None, now: dict, batch: int | None = None, trains: bo
     # normalises over another number of images: a change of the training, said like the others.
     was, n = saved.get("num_devices"), now.get("num_devices")
     if was is not None and n is not None and was != n:
+        # (over each --grad-accum-steps pass's images)
+        k, k_was = now.get("grad_accum_steps", 1), saved.get("grad_accum_steps", 1)
         bn = "" if now["sync_bn"] or batch is None else (
-            f": per-device BatchNorm now normalises over {batch // n} images, was {batch // was}")
+            f": per-device BatchNorm now normalises over {batch // n // k} images, was {batch // was // k_was}")
         changed.append(f"{n} device(s) (was {was}{bn})")
     if not changed:
         return ""
@@ -1077,6 +1118,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         steps_per_epoch = 1  # provisional: the schedule's shape does not change memory
     else:
         check_batch_size(cfg.batch_size, n_dev, "--batch-size")
+        _check_accum(cfg.batch_size, n_dev, cfg.grad_accum_steps)
         steps_per_epoch = _epoch_images(cfg, data.train.num_examples) // cfg.batch_size
     tx_for = lambda spe: _recipe.optimizer(cfg, spe)  # noqa: E731
     if cfg.batch_size == "auto":
@@ -1087,9 +1129,12 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         limit = _memory_for_steps(cfg, variables, say)
         cap = _epoch_images(cfg, data.train.num_examples) // n_dev
         low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode)
+        # With --grad-accum-steps the search is over one pass's images per device.
         per_device_batch = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
-                                                 max_per_device=min(256, cap), log=say, min_per_device=low,
-                                                 also=_evaluation_bytes(cfg, model, mesh, state))
+                                                 max_per_device=max(low, min(256, cap // cfg.grad_accum_steps)),
+                                                 log=say, min_per_device=low,
+                                                 also=_evaluation_bytes(cfg, model, mesh, state),
+                                                 accum=cfg.grad_accum_steps) * cfg.grad_accum_steps
         # Each process measured its own devices; the step is one program, so all take the smallest.
         agreed = _distributed.agree_min(per_device_batch)
         if agreed != per_device_batch:
@@ -1110,7 +1155,8 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
                                  "so no step; add training images, or leave out --ra-sampler"))
         raise ConfigError(f"`--batch-size` (={batch}) is larger than the training set ({n} images); {fix}")
     _check_values_per_channel(batch // n_dev, cfg.image_size, cfg.sync_bn, n_dev,
-                              None if resumed_step is None else _recorded_devices(resumed_meta), cfg.bn_mode)
+                              None if resumed_step is None else _recorded_devices(resumed_meta), cfg.bn_mode,
+                              accum=cfg.grad_accum_steps)
     tx, step_fn, evaluate = _programs(model, mesh, _recipe_key(cfg), steps_per_epoch,
                                       tuple(sorted(_step_options(cfg).items())), (make_train_step, make_eval_step))
     state = create_state(variables, tx, mesh)
@@ -1134,6 +1180,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     mngr = _checkpoint.manager(cfg.workdir, cfg.keep_checkpoints)
     if lead:  # what a SIGKILL during an earlier run's metrics, plot or variables write left
         remove_temporaries(cfg.workdir, OUTPUTS)
+    eval_batch = batch // cfg.grad_accum_steps
     meta = _run_meta(cfg, data, files) | {
         "batch_size": batch, "epoch_sums": [0.0, 0.0, 0.0],
         "settings": _settings(cfg) | {"num_devices": n_dev}}
@@ -1156,9 +1203,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         the epoch again, and writes the same row in place of the one there.
         """
         try:
-            row = row | _evaluate(evaluate, state.variables, data.val, batch, mesh)
+            # In batches of one pass's images: those are what --grad-accum-steps fitted in memory.
+            row = row | _evaluate(evaluate, state.variables, data.val, eval_batch, mesh)
             if ema is not None:  # torchvision: evaluate(model_ema, ..., log_suffix="EMA")
-                row |= {f"{k}_ema": v for k, v in _evaluate(evaluate, ema.variables, data.val, batch, mesh).items()}
+                row |= {f"{k}_ema": v for k, v in _evaluate(evaluate, ema.variables, data.val, eval_batch,
+                                                             mesh).items()}
         except Exception as e:  # noqa: BLE001 - only an image error, or a failure after a stop request, is handled
             image = isinstance(e, _data.ImageError)
             if image and n_proc > 1:  # the others wait in the evaluation's collectives: a checkpoint needs them all
@@ -1238,9 +1287,11 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
         bn = "synchronised" if cfg.sync_bn else "per device"
         if cfg.bn_stats == "first" and not cfg.sync_bn and n_dev > 1:
             bn += " (running statistics: device 0's)"
+        k = cfg.grad_accum_steps
+        passes = f", in {k} passes of {batch // n_dev // k} accumulated into each update" if k > 1 else ""
         say(f"training {cfg.arch} on {data.num_classes} classes ({data.train.num_examples} train / "
             f"{data.val.num_examples} val images) over {n_dev} device(s) in {n_proc} process(es): global batch "
-            f"{batch} ({batch // n_dev} per device), {steps_per_epoch} steps/epoch, BatchNorm {bn}"
+            f"{batch} ({batch // n_dev} per device{passes}), {steps_per_epoch} steps/epoch, BatchNorm {bn}"
             + (f"; --ra-sampler: {cfg.ra_reps} copies of each image, {_epoch_images(cfg, data.train.num_examples)} "
                "images an epoch" if cfg.ra_sampler else ""))
         if start >= last_step:
@@ -1458,9 +1509,10 @@ def _evaluation_bytes(cfg: TrainConfig, model, mesh, state) -> tuple[str, Callab
     """`(what, bytes_at)` for `_memory.largest_batch`: the evaluation's bytes per device at a
     per-device batch, where they may exceed the training step's: at a held-out crop larger
     than the training crop (torchvision's ResNet-50 recipe trains at 176 px and evaluates at
-    224, 1.6x the pixels). The evaluation runs at the same global batch while the optimizer
-    state stays on the devices; its arguments are the weights, or the --model-ema average in
-    their place (of their size, which `_memory_for_steps` already left room for). At the
+    224, 1.6x the pixels). The evaluation runs at one pass's batch (the training batch over
+    --grad-accum-steps) while the optimizer state stays on the devices; its arguments are the
+    weights, or the --model-ema average in their place (of their size, which
+    `_memory_for_steps` already left room for). At the
     training crop or smaller, a forward pass that keeps nothing for a backward needs less
     than the step: not compiled."""
     if cfg.val_crop_size is None or cfg.val_crop_size <= cfg.image_size:
@@ -1472,28 +1524,60 @@ def _evaluation_bytes(cfg: TrainConfig, model, mesh, state) -> tuple[str, Callab
 
 
 def _oom_error(model, tx, variables, mesh, cfg, batch, n_dev) -> _memory.OutOfMemoryError:
-    """The out-of-memory message, naming a per-device batch XLA's memory analysis predicts fits.
+    """The out-of-memory message, naming a per-device batch XLA's memory analysis predicts fits,
+    and the fewest --grad-accum-steps that fit the same --batch-size, where some do.
 
     The batch that failed did not fit whatever the analysis says of it (other processes,
-    fragmentation), so the suggestion is at least 1/8 smaller and must need less than it.
+    fragmentation), so each suggestion must need less than it, and a smaller batch is at least
+    1/8 smaller.
     """
-    per_device = batch // n_dev
-    where = f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {per_device} per device)"
+    per_device, k = batch // n_dev, cfg.grad_accum_steps
+    per_pass = per_device // k
+    passes = f", {k} passes of {per_pass}" if k > 1 else ""
+    where = f"out of device memory (RESOURCE_EXHAUSTED) at `--batch-size` (={batch}, {per_device} per device{passes})"
+    low = _min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode)
     try:
         limit = _memory_for_steps(cfg, variables, lambda m: None)  # as --batch-size auto counts it
         state = create_state(variables, tx, mesh)
         step = make_train_step(model, tx, mesh, donate=False, **_step_options(cfg))
         also = _evaluation_bytes(cfg, model, mesh, state)  # it may be the evaluation that ran out
         failed = max(_memory.step_bytes(step, state, mesh, per_device, cfg.image_size),
-                     also[1](per_device) if also else 0)
-        fits = _memory.largest_batch(step, state, mesh, cfg.image_size, min(limit, failed - 1),
-                                     max_per_device=max(1, per_device - max(1, per_device // 8)), log=lambda m: None,
-                                     min_per_device=_min_per_device(cfg.image_size, cfg.sync_bn, n_dev, cfg.bn_mode),
-                                     also=also)
+                     also[1](per_pass) if also else 0)
+        limit = min(limit, failed - 1)
+        more = _fewest_passes(model, tx, mesh, state, cfg, per_device, low, limit, also)
+        fits = _memory.largest_batch(step, state, mesh, cfg.image_size, limit,
+                                     max_per_device=max(1, per_pass - max(1, per_pass // 8)), log=lambda m: None,
+                                     min_per_device=low, also=also, accum=k)
     except _memory.OutOfMemoryError as e:  # not even one image per device
         return _memory.OutOfMemoryError(f"{where}; {e}")
     except Exception:  # noqa: BLE001 - the hint is best effort
         return _memory.OutOfMemoryError(f"{where}; use a smaller --batch-size, or --batch-size auto")
+    keep = (f"--grad-accum-steps {more} (the same --batch-size in passes of {per_device // more} per device), or "
+            if more else "")
     return _memory.OutOfMemoryError(
-        f"{where}; use --batch-size {fits * n_dev} ({fits} per device), which XLA's memory analysis predicts fits "
+        f"{where}; use {keep}--batch-size {fits * k * n_dev} ({fits * k} per device"
+        f"{f' in {k} passes' if k > 1 else ''}), which XLA's memory analysis predicts fit{'' if more else 's'} "
         f"(the failed one: {failed / 2**20:.0f} MiB per device)")
+
+
+def _fewest_passes(model, tx, mesh, state, cfg, per_device: int, low: int, limit: int, also) -> int | None:
+    """The fewest --grad-accum-steps above the run's that split `per_device` into equal passes of
+    at least `low` images whose step (and `also`, at one pass) fits `limit`; None if none does.
+    A step's memory falls as its passes grow, so a bisection over the counts compiles ~log2 of
+    them, each for its memory analysis only."""
+    counts = [d for d in range(cfg.grad_accum_steps + 1, per_device + 1)
+              if per_device % d == 0 and per_device // d >= low]
+
+    def fits(d: int) -> bool:
+        step = make_train_step(model, tx, mesh, donate=False, **(_step_options(cfg) | {"accum_steps": d}))
+        return (_memory.step_bytes(step, state, mesh, per_device, cfg.image_size) <= limit
+                and (also is None or also[1](per_device // d) <= limit))
+
+    lo, hi = 0, len(counts)  # counts[hi:] fit (none known yet); find the first that does
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(counts[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    return counts[lo] if lo < len(counts) else None

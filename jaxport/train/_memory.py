@@ -86,8 +86,11 @@ def _probe_options(mesh) -> dict | None:
 
 def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int, max_per_device: int = 256,
                   log: Callable[[str], None] = print, min_per_device: int = 1,
-                  also: tuple[str, Callable[[int], int]] | None = None) -> int:
+                  also: tuple[str, Callable[[int], int]] | None = None, accum: int = 1) -> int:
     """The largest per-device batch whose step fits in `limit_bytes`.
+
+    `accum`: the step's `accum_steps`. The sizes are then one pass's images per device, the step
+    is compiled for `accum` times as many, and the caller's batch is the result times `accum`.
 
     `also`, `(what, bytes_at)`: another program the batch must fit, run between the steps (the
     evaluation at a larger held-out crop), and its bytes per device at a per-device batch. A
@@ -109,7 +112,7 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
 
     def need(b: int) -> int:  # a compilation takes seconds: each size once
         if b not in known:
-            known[b] = step_bytes(step, state, mesh, b, image_size)
+            known[b] = step_bytes(step, state, mesh, b * accum, image_size)
             if also is not None:  # the larger of two growing figures grows: the search stays exact
                 other[b] = also[1](b)
         return max(known[b], other.get(b, 0))
@@ -119,11 +122,14 @@ def largest_batch(step: Callable, state, mesh, image_size: int, limit_bytes: int
 
     b = _largest_fitting(need, sizes, limit_bytes)
     if b is None:
-        raise OutOfMemoryError(f"a batch of {lo} per device needs {need(lo) / 2**20:.0f} MiB{whose(lo)}, more than the "
-                               f"{limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model")
+        passes = f" in each of --grad-accum-steps {accum} passes" if accum > 1 else ""
+        raise OutOfMemoryError(f"a batch of {lo} per device{passes} needs {need(lo) / 2**20:.0f} MiB{whose(lo)}, more "
+                               f"than the {limit_bytes / 2**20:.0f} MiB available; use a smaller --image-size or model"
+                               + (" (or fewer passes: the step holds all their images)" if accum > 1 else ""))
     # Say when the cap, not memory, chose the size (a GPU with 64 GiB free is not "full" at 256).
     capped = ", the most it picks" if b == hi else ""
-    log(f"--batch-size auto: {b} per device{capped} ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
+    per = f" and pass (x --grad-accum-steps {accum}: {b * accum} per device)" if accum > 1 else ""
+    log(f"--batch-size auto: {b} per device{per}{capped} ({need(b) / 2**20:.0f} MiB of {limit_bytes / 2**20:.0f} MiB, "
         f"from XLA's memory analysis{whose(b)})")
     return b
 

@@ -235,7 +235,7 @@ def _check_batch(images, labels, mask=None) -> None:
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Mesh, *,
                     donate: bool = True, running_stats: str = "mean", label_smoothing: float = 0.0,
                     mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0, seed: int = 0,
-                    batchnorm: str = "train") -> Callable:
+                    batchnorm: str = "train", accum_steps: int = 1) -> Callable:
     """`step(state, images, labels) -> (state, metrics)`, jitted and sharded over `mesh`.
 
     `images` (NHWC) and `labels` are global arrays split along `data` (see `shard_batch`); the
@@ -279,6 +279,19 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     keeps state for them. With "eval" or "frozen", `running_stats` and the
     model's `bn_axis_name` change nothing, and one image per device is enough at any size.
 
+    `accum_steps` (1: off) accumulates the gradients of that many passes before the one update,
+    as a torch loop that calls `(loss / accum_steps).backward()` on each chunk of its batch and
+    then `optimizer.step()`: the same global batch, the same loss and one update per call, with
+    the activations of a chunk alone in memory. Each device's share is split into
+    `accum_steps` chunks of every `accum_steps`-th image (chunk `j` holds its images `j, j + k,
+    ...`), so chunk `j` over all devices is the same images whatever the device count, and
+    `--sync-bn`'s result still does not depend on it. Train-mode BatchNorm normalises each chunk
+    with the chunk's statistics and updates the running ones once per chunk, as torch does
+    (`num_batches_tracked` counts every chunk); this is the one difference from a single pass,
+    and none with `batchnorm="eval"` or `"frozen"`. MixUp and CutMix mix the whole global batch
+    first. The per-device batch must divide by `accum_steps` (refused when tracing, with the
+    sizes that do).
+
     Gradient clipping, param groups and frozen parameters belong in `tx` (see
     `torch_compat.optim`). What this step does not take, another loss (class weights), is a
     step of your own: `model.apply` inside `jax.shard_map`, gradients `pmean`-ed over "data",
@@ -298,23 +311,35 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     cutmix_alpha = _mix.check_alpha(cutmix_alpha, "cutmix_alpha")
     if (mixup_alpha or cutmix_alpha) and not (is_int(seed) and 0 <= seed < 2**63):
         raise ConfigError(f"`seed` (={seed!r}) must be an integer from 0 to 2**63 - 1")
+    if not (is_int(accum_steps) and accum_steps >= 1):
+        raise ConfigError(f"`accum_steps` (={accum_steps!r}) must be an integer >= 1 (1: one pass, no accumulation)")
+    accum_steps = int(accum_steps)
 
     def local_step(state: TrainState, images, labels):
         if mixup_alpha or cutmix_alpha:
             images, labels = _mix.mix(_mix.step_key(seed, state.step), images, labels, model.num_classes, mixup_alpha,
                                       cutmix_alpha, axis_name=AXIS)
 
-        def loss_fn(params):
-            variables = {"params": params, "batch_stats": state.batch_stats}
-            if batchnorm == "train":
-                logits, updates = model.apply(variables, images, train=True, mutable=["batch_stats"])
-                batch_stats = updates["batch_stats"]
-            else:  # a ResNet's `train` switches its BatchNorm layers alone
-                logits, batch_stats = model.apply(variables, images, train=False), state.batch_stats
-            loss = jnp.mean(cross_entropy(logits, labels, label_smoothing))
-            return loss, (batch_stats, logits)
+        def loss_and_grads(batch_stats, images, labels):
+            def loss_fn(params):
+                variables = {"params": params, "batch_stats": batch_stats}
+                if batchnorm == "train":
+                    logits, updates = model.apply(variables, images, train=True, mutable=["batch_stats"])
+                    new_stats = updates["batch_stats"]
+                else:  # a ResNet's `train` switches its BatchNorm layers alone
+                    logits, new_stats = model.apply(variables, images, train=False), batch_stats
+                loss = jnp.mean(cross_entropy(logits, labels, label_smoothing))
+                return loss, (new_stats, logits)
 
-        (loss, (batch_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            (loss, (new_stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+            target = jnp.argmax(labels, -1) if labels.ndim > 1 else labels
+            return loss, new_stats, grads, jnp.sum(jnp.argmax(logits, -1) == target)
+
+        if accum_steps == 1:
+            loss, batch_stats, grads, correct = loss_and_grads(state.batch_stats, images, labels)
+        else:
+            loss, batch_stats, grads, correct = _accumulate(loss_and_grads, state.batch_stats, state.params, images,
+                                                            labels, accum_steps)
         # Over one device a mean is the identity, but XLA:CPU still copies every gradient
         # through an all-reduce (~15 ms of ResNet-50's 16 x 128 px step): skip it there.
         if mesh.shape[AXIS] > 1:
@@ -327,11 +352,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
         if batchnorm == "frozen":
             updates = _zero_norms(updates)
         params = optax.apply_updates(state.params, updates)
-        metrics = {
-            "loss": jax.lax.pmean(loss, AXIS),
-            "correct": jax.lax.psum(jnp.sum(jnp.argmax(logits, -1) == (jnp.argmax(labels, -1) if labels.ndim > 1
-                                                                        else labels)), AXIS),
-        }
+        metrics = {"loss": jax.lax.pmean(loss, AXIS), "correct": jax.lax.psum(correct, AXIS)}
         new = state.replace(step=state.step + 1, params=params, batch_stats=batch_stats, opt_state=opt_state)
         return new, metrics
 
@@ -344,6 +365,32 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else (), compiler_options=_options(mesh))
     return _Donating(jitted) if donate else jitted
+
+
+def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k: int):
+    """`loss_and_grads` over `k` chunks of this device's share, in a `lax.scan` (one chunk's
+    activations live at a time): the chunks' mean loss and mean gradients, the running
+    statistics after the last chunk, and the summed correct count. Chunk `j` holds the share's
+    images `j, j + k, ...`: the shares are consecutive rows of the global batch and each a
+    multiple of `k`, so chunk `j` over all devices is the global batch's rows `j (mod k)`."""
+    n = images.shape[0]
+    if n % k:
+        fits = [d for d in range(1, n + 1) if n % d == 0]
+        raise ConfigError(f"`accum_steps` (={k}) must divide the images per device (={n}): each pass takes an equal "
+                          f"chunk of them; use one of {fits}, or a per-device batch that is a multiple of {k}")
+
+    def chunks(x):  # (n, ...) -> (k, n / k, ...): chunk j = rows j, j + k, ...
+        return jnp.swapaxes(x.reshape(n // k, k, *x.shape[1:]), 0, 1)
+
+    def one(carry, batch):
+        stats, total = carry
+        loss, stats, grads, correct = loss_and_grads(stats, *batch)
+        return (stats, jax.tree.map(jnp.add, total, grads)), (loss, correct)
+
+    (batch_stats, total), (losses, correct) = jax.lax.scan(
+        one, (batch_stats, jax.tree.map(jnp.zeros_like, params)), (chunks(images), chunks(labels)))
+    # The mean over equal chunks of their means is the mean over the share, as without chunks.
+    return jnp.mean(losses), batch_stats, jax.tree.map(lambda g: g / k, total), jnp.sum(correct)
 
 
 def _zero_norms(tree):
