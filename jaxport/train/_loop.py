@@ -1564,7 +1564,8 @@ def _fewest_passes(model, tx, mesh, state, cfg, per_device: int, low: int, limit
     """The fewest --grad-accum-steps above the run's that split `per_device` into equal passes of
     at least `low` images whose step (and `also`, at one pass) fits `limit`; None if none does.
     A step's memory falls as its passes grow, so a bisection over the counts compiles ~log2 of
-    them, each for its memory analysis only."""
+    them, each for its memory analysis only. (On XLA:CPU, whose passes are unrolled, it need not
+    fall (`_step._UNROLLED_PLATFORMS`); a count returned was still compiled and fits.)"""
     counts = [d for d in range(cfg.grad_accum_steps + 1, per_device + 1)
               if per_device % d == 0 and per_device // d >= low]
 

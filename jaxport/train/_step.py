@@ -282,7 +282,9 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     `accum_steps` (1: off) accumulates the gradients of that many passes before the one update,
     as a torch loop that calls `(loss / accum_steps).backward()` on each chunk of its batch and
     then `optimizer.step()`: the same global batch, the same loss and one update per call, with
-    the activations of a chunk alone in memory. Each device's share is split into
+    the activations of a chunk alone in memory (a `lax.scan` over the chunks; on XLA:CPU, whose
+    convolution gradients run ~100x slower inside a loop, the chunks are unrolled instead, and
+    its buffer assignment does not then share their memory). Each device's share is split into
     `accum_steps` chunks of every `accum_steps`-th image (chunk `j` holds its images `j, j + k,
     ...`), so chunk `j` over all devices is the same images whatever the device count, and
     `--sync-bn`'s result still does not depend on it. Train-mode BatchNorm normalises each chunk
@@ -314,6 +316,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     if not (is_int(accum_steps) and accum_steps >= 1):
         raise ConfigError(f"`accum_steps` (={accum_steps!r}) must be an integer >= 1 (1: one pass, no accumulation)")
     accum_steps = int(accum_steps)
+    platform = mesh.devices.flat[0].platform
 
     def local_step(state: TrainState, images, labels):
         if mixup_alpha or cutmix_alpha:
@@ -339,7 +342,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
             loss, batch_stats, grads, correct = loss_and_grads(state.batch_stats, images, labels)
         else:
             loss, batch_stats, grads, correct = _accumulate(loss_and_grads, state.batch_stats, state.params, images,
-                                                            labels, accum_steps)
+                                                            labels, accum_steps, unroll=platform in _UNROLLED_PLATFORMS)
         # Over one device a mean is the identity, but XLA:CPU still copies every gradient
         # through an all-reduce (~15 ms of ResNet-50's 16 x 128 px step): skip it there.
         if mesh.shape[AXIS] > 1:
@@ -367,12 +370,24 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     return _Donating(jitted) if donate else jitted
 
 
-def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k: int):
+# Platforms whose passes are unrolled rather than a `lax.scan`. XLA:CPU (jaxlib 0.10.2) runs a
+# convolution's kernel gradient ~100x slower inside a while loop than outside one (a 3x3 conv of
+# 8 x 32 x 32 x 64, 4 passes: 3.3 s against 29 ms unrolled; the input gradient 79 against 18 ms):
+# a ResNet-18 step in 4 scanned passes took 3.4 s where one pass took 0.18 s, and unrolled takes
+# 0.23 s. Unrolled, XLA:CPU's buffer assignment does not reuse one pass's memory for the next (4
+# passes over 32 images of 64 px: 161 MiB, one pass 136 MiB; scanned 93 MiB), optimization
+# barriers between the passes included. On CPU accumulation is then torch's per-pass BatchNorm
+# and a recipe's batch, not less memory; elsewhere the scan's one pass at a time.
+_UNROLLED_PLATFORMS = frozenset({"cpu"})
+
+
+def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k: int, unroll: bool = False):
     """`loss_and_grads` over `k` chunks of this device's share, in a `lax.scan` (one chunk's
-    activations live at a time): the chunks' mean loss and mean gradients, the running
-    statistics after the last chunk, and the summed correct count. Chunk `j` holds the share's
-    images `j, j + k, ...`: the shares are consecutive rows of the global batch and each a
-    multiple of `k`, so chunk `j` over all devices is the global batch's rows `j (mod k)`."""
+    activations live at a time) or, with `unroll`, one after another in the program: the
+    chunks' mean loss and mean gradients, the running statistics after the last chunk, and the
+    summed correct count. Chunk `j` holds the share's images `j, j + k, ...`: the shares are
+    consecutive rows of the global batch and each a multiple of `k`, so chunk `j` over all
+    devices is the global batch's rows `j (mod k)`."""
     n = images.shape[0]
     if n % k:
         fits = [d for d in range(1, n + 1) if n % d == 0]
@@ -387,8 +402,8 @@ def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k
         loss, stats, grads, correct = loss_and_grads(stats, *batch)
         return (stats, jax.tree.map(jnp.add, total, grads)), (loss, correct)
 
-    (batch_stats, total), (losses, correct) = jax.lax.scan(
-        one, (batch_stats, jax.tree.map(jnp.zeros_like, params)), (chunks(images), chunks(labels)))
+    carry, xs = (batch_stats, jax.tree.map(jnp.zeros_like, params)), (chunks(images), chunks(labels))
+    (batch_stats, total), (losses, correct) = jax.lax.scan(one, carry, xs, unroll=True if unroll else 1)
     # The mean over equal chunks of their means is the mean over the share, as without chunks.
     return jnp.mean(losses), batch_stats, jax.tree.map(lambda g: g / k, total), jnp.sum(correct)
 
