@@ -7,6 +7,8 @@ eager and torch.compile, channels_last, autocast bf16.
     python benchmarks/bench_train.py                      # CPU figures
     python benchmarks/bench_train.py --arch resnet18 --classes 10 --configs 64x32
         # `jaxport train`'s default model and batch (the digits at 32 px)
+    python benchmarks/bench_train.py --configs 32x128 --accum-steps 4
+        # gradient accumulation: 4 passes of 8 a step, against torch's accumulation loop
     python benchmarks/bench_train.py --gpu --configs 256x224  # on a GPU machine
     python benchmarks/bench_train.py --gpu --configs 256x224 --custom-vjps true --skip-torch
         # the hand-written VJPs on the GPU, with its 1x1 convs as lax.conv: never run there
@@ -43,9 +45,15 @@ def _parse():
     p.add_argument("--arch", default="resnet50", choices=ARCHS, metavar="ARCH",
                    help="any of jaxport.models' architectures (default resnet50)")
     p.add_argument("--classes", type=positive_int, default=1000, help="classifier size (default 1000)")
+    p.add_argument("--accum-steps", type=positive_int, default=1,
+                   help="passes per step (make_train_step(accum_steps=)); torch runs its accumulation loop: "
+                        "(loss / N).backward() per chunk, then step() (default 1)")
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    for batch, _ in args.configs or ([(256, 224)] if args.gpu else [(16, 128), (32, 224)]):  # main()'s default
+        if batch % args.accum_steps:
+            p.error(f"--accum-steps {args.accum_steps} must divide every --configs batch (got {batch})")
     if args.gpu:
         import jax
 
@@ -54,7 +62,7 @@ def _parse():
     return args
 
 
-def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50", classes=1000):
+def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50", classes=1000, accum=1):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -68,7 +76,7 @@ def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50
     variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, size, size, 3)))
     tx = sgd(0.1, momentum=0.9, weight_decay=1e-4)
     state = create_state(variables, tx, mesh)
-    step = make_train_step(model, tx, mesh)
+    step = make_train_step(model, tx, mesh, accum_steps=accum)
     rng = np.random.default_rng(0)
     x, y = shard_batch(mesh, rng.standard_normal((batch, size, size, 3)).astype(np.float32),
                        rng.integers(0, classes, batch).astype(np.int32))
@@ -87,7 +95,7 @@ def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50
     return batch * steps / elapsed, max(0.0, first_s - elapsed / steps)
 
 
-def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", classes=1000):
+def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", classes=1000, accum=1):
     import torch
     import torchvision
 
@@ -103,9 +111,10 @@ def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", clas
 
     def step():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast(dev, dtype=torch.bfloat16, enabled=gpu):
-            loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
+        for j in range(accum):  # the chunks make_train_step(accum_steps=) takes: rows j, j + accum, ...
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=gpu):
+                loss = torch.nn.functional.cross_entropy(model(x[j::accum]), y[j::accum]) / accum
+            loss.backward()
         opt.step()
         return loss
 
@@ -132,17 +141,19 @@ def main():
     rows = []
     for batch, size in configs:
         custom_vjps = {"auto": None, "true": True, "false": False}[args.custom_vjps]
-        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps, args.arch, args.classes)
-        row = {"device": jax.devices()[0].device_kind, "arch": args.arch, "batch": batch, "size": size, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
+        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps, args.arch,
+                                       args.classes, args.accum_steps)
+        row = {"device": jax.devices()[0].device_kind, "arch": args.arch, "batch": batch, "size": size,
+               "accum_steps": args.accum_steps, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
                "jax_compile_s": compile_s}
         # Printed before torch runs: torch.compile's compile can outlast a GPU lease's time limit.
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if not args.skip_torch:
             row["torch_eager_img_s"] = bench_torch(batch, size, args.steps, args.warmup, args.gpu, False,
-                                                   args.arch, args.classes)
+                                                   args.arch, args.classes, args.accum_steps)
             if args.gpu:
                 row["torch_compiled_img_s"] = bench_torch(batch, size, args.steps, args.warmup, True, True,
-                                                          args.arch, args.classes)
+                                                          args.arch, args.classes, args.accum_steps)
             row["speedup_vs_eager"] = jax_ips / row["torch_eager_img_s"]
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

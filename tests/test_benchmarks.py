@@ -21,8 +21,9 @@ CASES = {
                       ["load_state_dict(mmap=True) + torch_to_flax", "goal <= 1.5x: ", "goal <= 2.5x: "]),
     "bench_inference.py": (["--batch", "1", "--repeats", "1", "--size", "32", "--torch-threads", "1"],
                            ["torch eager (1 thr)", "x-same", "jax-folded"]),
-    "bench_train.py": (["--arch", "resnet18", "--classes", "10", "--configs", "2x32", "--steps", "1", "--warmup",
-                        "1", "--threads", "1"], ['"speedup_vs_eager": ']),
+    # in 2 passes of 2 (jax's accumulating step, and torch's loop over chunks)
+    "bench_train.py": (["--arch", "resnet18", "--classes", "10", "--configs", "4x32", "--accum-steps", "2", "--steps",
+                        "1", "--warmup", "1", "--threads", "1"], ['"accum_steps": 2', '"speedup_vs_eager": ']),
 }
 
 
@@ -46,6 +47,8 @@ def test_benchmark_runs_at_smoke_size(tmp_path, script):
     ("bench_train.py", ["--warmup", "0"], "argument --warmup: expected a whole number >= 1, got 0"),
     ("bench_train.py", ["--configs", "16"], "argument --configs: expected BATCHxSIZE such as 16x128, got '16'"),
     ("bench_train.py", ["--gpu"], "--gpu: jax runs on cpu, not a GPU"),
+    ("bench_train.py", ["--configs", "16x128", "--accum-steps", "3"],
+     "--accum-steps 3 must divide every --configs batch (got 16)"),
     ("bench_inference.py", ["--variants", "jax-fold"], "argument --variants: invalid choice: 'jax-fold'"),
     ("bench_inference.py", ["--device", "cuda"], "--device cuda: torch sees no CUDA device and jax runs on cpu"),
     ("bench_port.py", ["--repeats", "0"], "argument --repeats: expected a whole number >= 1, got 0"),
