@@ -66,8 +66,9 @@ class TrainConfig:
     epochs: int = 8  # 6 reached 0.950-0.983 held-out over seeds and thread counts; 8: 0.972-0.983
     batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
     # Passes per step, each over 1/N of every device's batch, their gradients accumulated into
-    # one update (`make_train_step(accum_steps=)`): the batch's memory divided by N. With "auto"
-    # batch size, the largest per-device pass that fits, times N.
+    # one update (`make_train_step(accum_steps=)`): one pass's activations in memory (not on
+    # XLA:CPU, which unrolls the passes: `_step._UNROLLED_PLATFORMS`). With "auto" batch size,
+    # the largest per-device pass that fits, times N.
     grad_accum_steps: int = 1
     image_size: int = 32
     lr: float = 0.05
@@ -1512,9 +1513,8 @@ def _evaluation_bytes(cfg: TrainConfig, model, mesh, state) -> tuple[str, Callab
     224, 1.6x the pixels). The evaluation runs at one pass's batch (the training batch over
     --grad-accum-steps) while the optimizer state stays on the devices; its arguments are the
     weights, or the --model-ema average in their place (of their size, which
-    `_memory_for_steps` already left room for). At the
-    training crop or smaller, a forward pass that keeps nothing for a backward needs less
-    than the step: not compiled."""
+    `_memory_for_steps` already left room for). At the training crop or smaller, a forward
+    pass that keeps nothing for a backward needs less than the step: not compiled."""
     if cfg.val_crop_size is None or cfg.val_crop_size <= cfg.image_size:
         return None
     evaluate = make_eval_step(model, mesh)
