@@ -6,7 +6,7 @@
 #
 # It uses the machine's own python3 (its image has jax, flax, optax, orbax, torch, torchvision:
 # nothing is installed) and writes one log per benchmark under $OUT (or /tmp/gpu-bench). Each
-# step has its own time limit, so one hang cannot eat the whole lease: they add up to 580 s
+# step has its own time limit, so one hang cannot eat the whole lease: they add up to 580 s, 640 s with the last (accumulation) step
 # (torch.compile's compiles are most of it). Budget the call with timeout_s=600 and give the
 # machine back after. On an H200 (2026-11-30, 23:37 UTC) it took 247 s after a start-up of about
 # 30 s; figures in benchmarks/README.md. The steps run in order of what is least known: the
@@ -61,6 +61,11 @@ step inference 100 "$py" benchmarks/bench_inference.py --device cuda --dtype bfl
   --batch 8 32 256 --repeats 20 20 10 --variants jax
 # Issue 3: the ops table, jax on the GPU against torch on CUDA. 20-27 s on an H200.
 step ops 60 "$py" benchmarks/bench_ops.py --torch-device cuda
+# Gradient accumulation's scanned passes (the form every platform but XLA:CPU runs, never timed
+# on a GPU yet): the same batch in 4 passes of 64, jax alone. Last: its limit is beyond the 580 s
+# the steps above may take, and only the time left after them (usually ~300 s) is spent here.
+step train-accum 60 "$py" benchmarks/bench_train.py --gpu --configs 256x224 --accum-steps 4 --steps 10 \
+  --warmup 2 --skip-torch --out "$out/train-accum.json"
 if [ ${#failed[@]} -gt 0 ]; then
   echo "gpu.sh: failed: ${failed[*]}" >&2
   exit 1
