@@ -8,9 +8,9 @@
 # nothing is installed) and writes one log per benchmark under $OUT (or /tmp/gpu-bench). Each
 # step has its own time limit, so one hang cannot eat the whole lease: they add up to 580 s
 # before the last (accumulation) step, 640 s with it (torch.compile's compiles are most of it).
-# Budget the call with timeout_s=600 and give the machine back after. On an H200 (2026-11-30, 23:37 UTC) it took 247 s after a start-up of about
-# 30 s; figures in benchmarks/README.md. The steps run in order of what is least known: the
-# training rows first.
+# Budget the call with timeout_s=600 and give the machine back after. On an H200 (2026-11-30,
+# 23:37 UTC) it took 247 s after a start-up of about 30 s; figures in benchmarks/README.md. The
+# steps run in order of what is least known: the training rows first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/gpu-bench}
