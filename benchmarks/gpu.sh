@@ -62,8 +62,8 @@ step inference 100 "$py" benchmarks/bench_inference.py --device cuda --dtype bfl
 # Issue 3: the ops table, jax on the GPU against torch on CUDA. 20-27 s on an H200.
 step ops 60 "$py" benchmarks/bench_ops.py --torch-device cuda
 # Gradient accumulation's scanned passes (the form every platform but XLA:CPU runs, never timed
-# on a GPU yet): the same batch in 4 passes of 64, jax alone. Last: its limit is beyond the 580 s
-# the steps above may take, and only the time left after them (usually ~300 s) is spent here.
+# on a GPU yet): the same batch in 4 passes of 64, jax alone. Last, since its 60 s go beyond the
+# 580 s the steps above may take (they took 247 s on the H200).
 step train-accum 60 "$py" benchmarks/bench_train.py --gpu --configs 256x224 --accum-steps 4 --steps 10 \
   --warmup 2 --skip-torch --out "$out/train-accum.json"
 if [ ${#failed[@]} -gt 0 ]; then
