@@ -51,7 +51,8 @@ def _parse():
     p.add_argument("--skip-torch", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    for batch, _ in args.configs or ([(256, 224)] if args.gpu else [(16, 128), (32, 224)]):  # main()'s default
+    args.configs = args.configs or ([(256, 224)] if args.gpu else [(16, 128), (32, 224)])
+    for batch, _ in args.configs:
         if batch % args.accum_steps:
             p.error(f"--accum-steps {args.accum_steps} must divide every --configs batch (got {batch})")
     if args.gpu:
@@ -133,7 +134,7 @@ def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", clas
 
 def main():
     args = _parse()
-    configs = args.configs or ([(256, 224)] if args.gpu else [(16, 128), (32, 224)])
+    configs = args.configs
     import jax
     import torch
 

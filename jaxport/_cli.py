@@ -94,13 +94,12 @@ def _weights_metadata(name: str, num_classes: int) -> dict[str, str]:
 
     from torch_compat import weights_metadata
 
-    meta, named = weights_metadata(name, num_classes), len(json.loads(weights_metadata(name)["categories"]))
+    meta = weights_metadata(name, num_classes)
     left_out = ""
     if "categories" not in meta and num_classes:  # a file at their URL that is not theirs (its name had no digest)
-        left_out = (f"; not their {named} categories and accuracy, which describe no output of this "
-                    f"{num_classes}-class port")
+        left_out = f"; not their categories and accuracy, which describe no output of this {num_classes}-class port"
     pre = json.loads(meta["preprocess"])
-    what = [f"{named} categories"] if "categories" in meta else []
+    what = [f"{len(json.loads(meta['categories']))} categories"] if "categories" in meta else []
     what += [f"{data} acc@1 {m['acc@1']}" for data, m in json.loads(meta.get("metrics", "{}")).items() if "acc@1" in m]
     what += [f"evaluated at resize {pre['resize_size'][0]}, crop {pre['crop_size'][0]}"]
     print(f"weights: {meta['weights']} ({', '.join(what)}): recorded in the port's metadata{left_out}")

@@ -194,7 +194,7 @@ def test_a_port_by_weights_name_records_what_torchvision_knows_of_them(served, h
     monkeypatch.setattr(weights.value, "url", f"{url}/{name}")
     assert main(["port", "ResNet18_Weights.IMAGENET1K_V1", "--out", str(tmp_path / "c.st")]) == 0
     assert ("weights: ResNet18_Weights.IMAGENET1K_V1 (evaluated at resize 256, crop 224): recorded in the port's "
-            "metadata; not their 1000 categories and accuracy, which describe no output of this 10-class port"
+            "metadata; not their categories and accuracy, which describe no output of this 10-class port"
             in capsys.readouterr().out)
     assert "categories" not in jaxport.read_metadata(tmp_path / "c.st")
     # A port by URL imports no torchvision (tests/test_layering.py) and records none of it.

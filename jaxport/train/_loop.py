@@ -27,7 +27,7 @@ from .._io import atomic_path, remove_temporaries, save_variables, unwritable
 from ..models import ARCHS, build, layer4_side
 from . import _checkpoint, _data, _distributed, _ema, _memory, _mix, _presets, _recipe
 from ._init import fit_head, load_init
-from ._step import (BATCHNORM_MODES, RUNNING_STATS, check_batch_size, check_label_smoothing, create_state,
+from ._step import (BATCHNORM_MODES, RUNNING_STATS, check_batch_size, check_label_smoothing, create_state, divisors,
                     make_eval_step, make_mesh, make_train_step, replicate, shard_batch)
 
 FINAL_VARIABLES = _checkpoint.FINAL_VARIABLES
@@ -428,7 +428,7 @@ def _check_values_per_channel(per_device: int, image_size: int, sync_bn: bool, n
         return
     side = layer4_side(image_size)
     if accum > 1:  # each pass normalises its chunk alone: fewer passes, not another batch, is the fix
-        fits = max(d for d in range(1, accum) if per_device % d == 0 and per_device // d >= low)  # 1 does
+        fits = max(d for d in divisors(per_device) if d < accum and per_device // d >= low)  # 1 does
         fix = f"use --grad-accum-steps {fits}" + ("" if sync_bn or n_dev == 1 else ", or --sync-bn")
         raise ConfigError(f"`--grad-accum-steps` (={accum}) splits the {per_device} images per device into passes of "
                           f"{per_device // accum}, and at `--image-size` (={image_size}) layer4's maps are "
@@ -453,7 +453,7 @@ def _check_accum(batch: int, n_dev: int, accum: int) -> None:
     per_device = batch // n_dev
     if per_device % accum == 0:
         return
-    steps = [d for d in range(2, per_device + 1) if per_device % d == 0]
+    steps = divisors(per_device)[1:]
     unit = n_dev * accum
     down, up = batch // unit * unit, (batch // unit + 1) * unit
     sizes = f"--batch-size {up}" if not down else f"--batch-size {down} or {up}"
@@ -1566,8 +1566,7 @@ def _fewest_passes(model, tx, mesh, state, cfg, per_device: int, low: int, limit
     A step's memory falls as its passes grow, so a bisection over the counts compiles ~log2 of
     them, each for its memory analysis only. (On XLA:CPU, whose passes are unrolled, it need not
     fall (`_step._UNROLLED_PLATFORMS`); a count returned was still compiled and fits.)"""
-    counts = [d for d in range(cfg.grad_accum_steps + 1, per_device + 1)
-              if per_device % d == 0 and per_device // d >= low]
+    counts = [d for d in divisors(per_device) if d > cfg.grad_accum_steps and per_device // d >= low]
 
     def fits(d: int) -> bool:
         step = make_train_step(model, tx, mesh, donate=False, **(_step_options(cfg) | {"accum_steps": d}))

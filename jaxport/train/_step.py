@@ -381,6 +381,11 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 _UNROLLED_PLATFORMS = frozenset({"cpu"})
 
 
+def divisors(n: int) -> list[int]:
+    """The pass counts that split `n` images into equal passes, ascending."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
 def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k: int, unroll: bool = False):
     """`loss_and_grads` over `k` chunks of this device's share, in a `lax.scan` (one chunk's
     activations live at a time) or, with `unroll`, one after another in the program: the
@@ -390,9 +395,8 @@ def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k
     devices is the global batch's rows `j (mod k)`."""
     n = images.shape[0]
     if n % k:
-        fits = [d for d in range(1, n + 1) if n % d == 0]
         raise ConfigError(f"`accum_steps` (={k}) must divide the images per device (={n}): each pass takes an equal "
-                          f"chunk of them; use one of {fits}, or a per-device batch that is a multiple of {k}")
+                          f"chunk of them; use one of {divisors(n)}, or a per-device batch that is a multiple of {k}")
 
     def chunks(x):  # (n, ...) -> (k, n / k, ...): chunk j = rows j, j + k, ...
         return jnp.swapaxes(x.reshape(n // k, k, *x.shape[1:]), 0, 1)
