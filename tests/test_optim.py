@@ -294,6 +294,47 @@ def test_sgd_with_one_cycle_lr_and_momentum_steps_as_torch():
     _run_both(OneCycle, tx)
 
 
+class _AdamWOneCycle:
+    """torch's AdamW under OneCycleLR, which cycles Adam's beta1 by default (`cycle_momentum`),
+    stepped as a training loop does."""
+
+    def __init__(self, ps, three_phase=False):
+        self.opt = torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
+        self.sched = L.OneCycleLR(self.opt, 0.05, total_steps=10, pct_start=0.4, base_momentum=0.5,
+                                  max_momentum=0.95, three_phase=three_phase)
+        self.state = self.opt.state
+        self.betas = []
+
+    def step(self):
+        self.betas.append(self.opt.param_groups[0]["betas"])
+        self.opt.step()
+        if self.sched.last_epoch < 10:  # torch raises past total_steps; the schedule then holds
+            self.sched.step()
+
+
+@pytest.mark.parametrize("three_phase", [False, True])
+def test_adamw_with_one_cycle_lr_and_beta1_steps_as_torch(three_phase):
+    """Regression: adamw took beta1 as a number only, so torch's OneCycleLR with Adam (which
+    cycles beta1, not a momentum) could not be reproduced. A beta1 schedule now steps as torch's:
+    10 float64 steps, with beta1 swung from 0.95 to 0.5 and back, so the bias correction
+    `1 - beta1**t` must use each step's beta1 as torch's does to agree."""
+    made = []
+    kw = dict(pct_start=0.4, three_phase=three_phase)
+    tx = optim.adamw(optim.one_cycle_lr(0.05, 10, **kw),
+                     betas=(optim.one_cycle_momentum(10, base_momentum=0.5, max_momentum=0.95, **kw), 0.99),
+                     weight_decay=0.1)
+    _run_both(lambda ps: made.append(_AdamWOneCycle(ps, three_phase)) or made[-1], tx)
+    assert len({b[0] for b in made[0].betas}) > 3  # torch's beta1 did cycle
+
+
+def test_adamw_beta1_schedule_out_of_range_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"`betas\[0\]`, a beta1 schedule, must stay in \[0, 1\), as torch's "
+                                          r"Adam requires; it reaches 1.2 at step 0 \(e.g. one_cycle_momentum's"):
+        optim.adamw(betas=(optim.one_cycle_momentum(10, max_momentum=1.2), 0.999))
+    with pytest.raises(ConfigError, match=r"`betas` .* must be two numbers .* beta1 perhaps a schedule"):
+        optim.adamw(betas=(0.9, optim.one_cycle_momentum(10)))
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: optim.one_cycle_lr(0.1), "give `total_steps`, or `epochs` and `steps_per_epoch`"),
     (lambda: optim.one_cycle_lr(0.1, epochs=3), "give `total_steps`, or `epochs` and `steps_per_epoch`"),

@@ -489,6 +489,21 @@ def test_adamw_with_a_cosine_schedule_matches_torch():
 LOW_SHAPES = {"w": (8, 16), "b": (64,)}  # sizes multiples of 64: see below
 
 
+class _OneCycleBeta1:
+    """`opt` under OneCycleLR with a constant lr (div_factor 1, final_div_factor 1) and beta1
+    cycled from 0.95 to 0.5 and back over 200 steps (torch's cycle_momentum)."""
+
+    def __init__(self, opt):
+        self.opt, self.state = opt, opt.state
+        self.sched = L.OneCycleLR(opt, 0.01, total_steps=200, div_factor=1.0, final_div_factor=1.0,
+                                  base_momentum=0.5)
+
+    def step(self):
+        self.opt.step()
+        if self.sched.last_epoch < 200:
+            self.sched.step()
+
+
 def _low_precision_runs(make_torch, tx, tdtype, jdtype, torch_state, our_state, steps=200, constant=False,
                         shapes=LOW_SHAPES, scales=(1.0, 1.0)):
     """200 steps in torch and here on the same low-precision parameters and gradients (normal,
@@ -551,6 +566,10 @@ def test_low_precision_sgd_momentum_of_a_constant_gradient_is_torchs_bit_for_bit
      ["exp_avg", "exp_avg_sq"], ["mu", "nu"], 0.01),
     (lambda ps: torch.optim.AdamW(ps, lr=0.01, betas=(0.8, 0.99), eps=1e-3),
      optim.adamw(0.01, betas=(0.8, 0.99), eps=1e-3), ["exp_avg", "exp_avg_sq"], ["mu", "nu"], 0.01),
+    # beta1 cycled as torch's OneCycleLR does (lr held: cycle 0.01 to 0.01), over the 200 steps
+    (lambda ps: _OneCycleBeta1(torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1)),
+     optim.adamw(0.01, betas=(optim.one_cycle_momentum(200, base_momentum=0.5), 0.999), weight_decay=0.1),
+     ["exp_avg", "exp_avg_sq"], ["mu", "nu"], 0.01),
 ])
 @pytest.mark.parametrize("constant", [True, False])
 def test_low_precision_random_gradients_follow_torch_within_an_ulp_or_so(tdtype, jdtype, make_torch, tx, torch_state,

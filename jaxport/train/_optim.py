@@ -173,18 +173,27 @@ def _torch_momentum(momentum: float, dampening: float, nesterov: bool) -> optax.
     return optax.GradientTransformation(init, update)
 
 
-def _scale_by_adam(b1: float, b2: float, eps) -> optax.GradientTransformation:
+def _scale_by_adam(b1: float | Schedule, b2: float, eps) -> optax.GradientTransformation:
     """optax.scale_by_adam (same state, so checkpoints are interchangeable) with torch's bias
     corrections. optax computes `1 - b**t` in the moments' dtype: in float32, b2 = 0.99999
     rounds to 0.99998999, so `1 - b2**t` came out 0.14% large and the updates 0.07% off, for
     ~1 / (1 - b2) steps (torch computes it in Python floats). `-expm1(t * log(b))` with log(b)
-    taken in Python floats is accurate to float32 rounding for every t."""
-    base = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-    log_b1, log_b2 = (math.log(b) if b > 0 else -math.inf for b in (b1, b2))  # b = 0: 1 - 0**t = 1
+    taken in Python floats is accurate to float32 rounding for every t.
+
+    `b1` may be a schedule (updates done -> beta1), as torch's OneCycleLR sets `betas[0]` on
+    Adam before each step; torch's step then uses that beta1 in both the moment and its bias
+    correction `1 - beta1**t`, and so does this (log(beta1) then taken in the schedule's dtype)."""
+    base = optax.scale_by_adam(b1=0.0 if callable(b1) else b1, b2=b2, eps=eps)  # only its init is used
+    log_b2 = math.log(b2) if b2 > 0 else -math.inf  # b = 0: 1 - 0**t = 1
 
     def update(updates, state, params=None):
         del params
-        mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
+        if callable(b1):
+            decay1 = jnp.asarray(b1(state.count))
+            log_b1 = jnp.log(decay1)  # log(0) = -inf: 1 - 0**t = 1, as for a number
+        else:
+            decay1, log_b1 = b1, math.log(b1) if b1 > 0 else -math.inf
+        mu = optax.tree_utils.tree_update_moment(updates, state.mu, decay1, 1)
         nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
         count = optax.safe_int32_increment(state.count)
 
@@ -197,14 +206,16 @@ def _scale_by_adam(b1: float, b2: float, eps) -> optax.GradientTransformation:
         out = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), corrected(mu, log_b1), corrected(nu, log_b2))
         nu = jax.tree.map(lambda n, old: n.astype(old.dtype), nu, state.nu)
         if any(_low_precision(m) for m in jax.tree.leaves(state.mu)):
-            bc1, bc2 = (-jnp.expm1(_f32(count) * log_b) for log_b in (log_b1, log_b2))
+            bc1, bc2 = (-jnp.expm1(_f32(count) * jnp.asarray(log_b, jnp.float32)) for log_b in (log_b1, log_b2))
 
             def low(o, m, v, g, old_m, old_v):  # torch's ops on low-precision moments, each rounded once
                 if not _low_precision(old_m):
                     return o, m, v
-                w = float(np.float32(1 - b1))  # `exp_avg.lerp_(g, 1 - b1)`, torch's two-sided lerp
+                # `exp_avg.lerp_(g, 1 - b1)`, torch's two-sided lerp with its weight in float32 (a
+                # scheduled b1 is already rounded to float32 here, 1 - b1 then once more)
+                w = _f32(1 - decay1) if callable(b1) else np.float32(1 - b1)
                 d = _f32(g) - _f32(old_m)
-                m = (_f32(old_m) + w * d if w < 0.5 else _f32(g) - d * (1 - np.float32(w))).astype(old_m.dtype)
+                m = jnp.where(w < 0.5, _f32(old_m) + w * d, _f32(g) - d * (1 - w)).astype(old_m.dtype)
                 v = (_f32(_mul(old_v, b2)) + np.float32(1 - b2) * _f32(g) * _f32(g)).astype(old_v.dtype)  # mul_, addcmul_
                 denom = (_f32(jnp.sqrt(_f32(v)).astype(v.dtype)) / jnp.sqrt(bc2)).astype(v.dtype)  # (sqrt(v) / sqrt(bc2)).add_(eps)
                 denom = (_f32(denom) + _f32(eps)).astype(v.dtype)
@@ -379,6 +390,11 @@ def adamw(
     Param groups, frozen layers, `optax.inject_hyperparams` and low-precision parameters: as
     for `sgd`.
 
+    `betas[0]` may be a schedule (step -> beta1): torch's `OneCycleLR` cycles Adam's beta1 by
+    default (`cycle_momentum=True`), which is
+    `adamw(one_cycle_lr(max_lr, n), betas=(one_cycle_momentum(n), 0.999))`. torch uses each
+    step's beta1 in the moment and in its bias correction `1 - beta1**t`, and so does this.
+
     Raises:
       ConfigError: `amsgrad=True` (not reproduced), out-of-range betas, or what torch refuses
         (a negative learning rate, eps or weight decay); integer parameters and float0
@@ -392,10 +408,20 @@ def adamw(
     try:
         if any(isinstance(b, (str, bytes)) for b in betas):  # float("0.9") works; torch refuses strings
             raise TypeError
-        b1, b2 = (float(b) for b in betas)
+        b1, b2 = betas
+        b1, b2 = b1 if callable(b1) else float(b1), float(b2)
     except (TypeError, ValueError):
-        raise ConfigError(f"`betas` (={betas!r}) must be two numbers (beta1, beta2), e.g. (0.9, 0.999)") from None
-    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError(f"`betas` (={betas!r}) must be two numbers (beta1, beta2), e.g. (0.9, 0.999), beta1 "
+                          "perhaps a schedule (step -> beta1) such as one_cycle_momentum(...)") from None
+    # A schedule is checked where its values are known: this module's (`.table`) here; another's
+    # values are its own affair, as a learning-rate schedule's are.
+    if callable(b1):
+        outside = [(step, b) for step, b in enumerate(getattr(b1, "table", ())) if not 0 <= b < 1]
+        if outside:
+            raise ConfigError(f"`betas[0]`, a beta1 schedule, must stay in [0, 1), as torch's Adam requires; it "
+                              f"reaches {outside[0][1]} at step {outside[0][0]} (e.g. one_cycle_momentum's "
+                              "base_momentum and max_momentum must both be below 1)")
+    if not ((callable(b1) or 0 <= b1 < 1) and 0 <= b2 < 1):
         raise ConfigError(f"`betas` (={betas}) must both be in [0, 1)")
     return _floating_only(optax.chain(
         *([optax.scale(-1.0)] if maximize else []),  # torch negates the gradient first
@@ -728,9 +754,9 @@ def one_cycle_lr(max_lr: float, total_steps: int | None = None, *, epochs: int |
       >>> lr, momentum = one_cycle_lr(0.1, 1000), one_cycle_momentum(1000)
       >>> tx = optax.inject_hyperparams(sgd)(learning_rate=lr, momentum=momentum, weight_decay=1e-4)
 
-    (torch's `cycle_momentum=False`: `sgd(one_cycle_lr(...), momentum=0.9)`. For Adam torch
-    cycles beta1, which `adamw` takes as a number only: use AdamW with `cycle_momentum=False`
-    in torch to compare.) `optax.cosine_onecycle_schedule` is another formula.
+    (torch's `cycle_momentum=False`: `sgd(one_cycle_lr(...), momentum=0.9)`.) For Adam and
+    AdamW torch cycles beta1 instead: `adamw(lr, betas=(one_cycle_momentum(...), 0.999))`.
+    `optax.cosine_onecycle_schedule` is another formula.
 
     Raises:
       ConfigError: as torch's OneCycleLR refuses (no length, a `pct_start` outside [0, 1],
@@ -757,7 +783,9 @@ def one_cycle_momentum(total_steps: int | None = None, *, epochs: int | None = N
     the default): from `max_momentum` down to `base_momentum` while the lr rises, and back up
     while it falls (with `three_phase`, it holds `max_momentum` in the last phase). Value for
     value, with the arguments shared with `one_cycle_lr` given alike; a schedule for
-    `optax.inject_hyperparams(sgd)(..., momentum=one_cycle_momentum(...))` (see `one_cycle_lr`)."""
+    `optax.inject_hyperparams(sgd)(..., momentum=one_cycle_momentum(...))`, or for AdamW's beta1,
+    which torch cycles instead: `adamw(..., betas=(one_cycle_momentum(...), 0.999))` (see
+    `one_cycle_lr`)."""
     base_momentum = finite("base_momentum", base_momentum, minimum=0)
     max_momentum = finite("max_momentum", max_momentum, minimum=0)
     total = _one_cycle_steps(total_steps, epochs, steps_per_epoch)

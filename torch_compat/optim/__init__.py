@@ -5,7 +5,7 @@
 `step_lr`, `multistep_lr`, `exponential_lr`, `cosine_annealing_lr`, `linear_warmup`,
 `constant_lr` and `one_cycle_lr` reproduce torch's `StepLR`, `MultiStepLR`, `ExponentialLR`,
 `CosineAnnealingLR`, `LinearLR`, `ConstantLR` and `OneCycleLR` values exactly (and
-`one_cycle_momentum` the momentum OneCycleLR cycles); `reduce_lr_on_plateau` decides as torch's
+`one_cycle_momentum` the momentum, or Adam's beta1, OneCycleLR cycles); `reduce_lr_on_plateau` decides as torch's
 `ReduceLROnPlateau`, on the host, once per epoch. They are pure optax (implemented in
 `jaxport.train._optim`, so the JAX training loop needs no torch).
 
