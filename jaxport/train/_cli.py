@@ -106,7 +106,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--grad-accum-steps", type=_integer("--grad-accum-steps"), default=d.grad_accum_steps,
                    metavar="N", help="passes per step, each over 1/N of every device's batch, their gradients "
                    "accumulated into one update (torch's loss / N; backward() per chunk): the same --batch-size "
-                   "in one chunk's activation memory (not on CPU, where the passes are unrolled for speed); "
+                   "in one chunk's activation memory (beside an accumulator of the gradients); "
                    "BatchNorm normalises each chunk alone (default: %(default)s)")
     # given (even at its default), it must agree with --train-crop-size (`config_from_args`)
     p.add_argument("--image-size", type=_integer("--image-size"), default=d.image_size, metavar="PIXELS",

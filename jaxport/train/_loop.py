@@ -66,9 +66,9 @@ class TrainConfig:
     epochs: int = 8  # 6 reached 0.950-0.983 held-out over seeds and thread counts; 8: 0.972-0.983
     batch_size: int | str = 64  # global; "auto" picks the largest per-device batch that fits
     # Passes per step, each over 1/N of every device's batch, their gradients accumulated into
-    # one update (`make_train_step(accum_steps=)`): one pass's activations in memory (not on
-    # XLA:CPU, which unrolls the passes: `_step._UNROLLED_PLATFORMS`). With "auto" batch size,
-    # the largest per-device pass that fits, times N.
+    # one update (`make_train_step(accum_steps=)`): one pass's activations in memory, beside
+    # an accumulator of the gradients. With "auto" batch size, the largest per-device pass that
+    # fits, times N.
     grad_accum_steps: int = 1
     image_size: int = 32
     lr: float = 0.05
@@ -1564,8 +1564,7 @@ def _fewest_passes(model, tx, mesh, state, cfg, per_device: int, low: int, limit
     """The fewest --grad-accum-steps above the run's that split `per_device` into equal passes of
     at least `low` images whose step (and `also`, at one pass) fits `limit`; None if none does.
     A step's memory falls as its passes grow, so a bisection over the counts compiles ~log2 of
-    them, each for its memory analysis only. (On XLA:CPU, whose passes are unrolled, it need not
-    fall (`_step._UNROLLED_PLATFORMS`); a count returned was still compiled and fits.)"""
+    them, each for its memory analysis only (a count returned was compiled and fits)."""
     counts = [d for d in divisors(per_device) if d > cfg.grad_accum_steps and per_device // d >= low]
 
     def fits(d: int) -> bool:

@@ -283,16 +283,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
     as a torch loop that calls `(loss / accum_steps).backward()` on each chunk of its batch and
     then `optimizer.step()`: the same global batch, the same loss and one update per call, with
     the activations of a chunk alone in memory (a `lax.scan` over the chunks; on XLA:CPU, whose
-    convolution gradients run ~100x slower inside a loop, the chunks are unrolled instead, and
-    its buffer assignment does not then share their memory). Each device's share is split into
-    `accum_steps` chunks of every `accum_steps`-th image (chunk `j` holds its images `j, j + k,
-    ...`), so chunk `j` over all devices is the same images whatever the device count, and
-    `--sync-bn`'s result still does not depend on it. Train-mode BatchNorm normalises each chunk
-    with the chunk's statistics and updates the running ones once per chunk, as torch does
-    (`num_batches_tracked` counts every chunk); this is the one difference from a single pass,
-    and none with `batchnorm="eval"` or `"frozen"`. MixUp and CutMix mix the whole global batch
-    first. The per-device batch must divide by `accum_steps` (refused when tracing, with the
-    sizes that do).
+    convolution gradients run ~100x slower inside a loop, the chunks are unrolled instead, each
+    made to wait for the one before; both also hold an accumulator of the gradients). Each
+    device's share is split into `accum_steps` chunks of every `accum_steps`-th image (chunk `j`
+    holds its images `j, j + k, ...`), so chunk `j` over all devices is the same images whatever
+    the device count, and `--sync-bn`'s result still does not depend on it. Train-mode
+    BatchNorm normalises each chunk with the chunk's statistics and updates the running ones
+    once per chunk, as torch does (`num_batches_tracked` counts every chunk); this is the one
+    difference from a single pass, and none with `batchnorm="eval"` or `"frozen"`. MixUp and
+    CutMix mix the whole global batch first. The per-device batch must divide by `accum_steps`
+    (refused when tracing, with the sizes that do).
 
     Gradient clipping, param groups and frozen parameters belong in `tx` (see
     `torch_compat.optim`). What this step does not take, another loss (class weights), is a
@@ -374,10 +374,12 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, mesh: Me
 # convolution's kernel gradient ~100x slower inside a while loop than outside one (a 3x3 conv of
 # 8 x 32 x 32 x 64, 4 passes: 3.3 s against 29 ms unrolled; the input gradient 79 against 18 ms):
 # a ResNet-18 step in 4 scanned passes took 3.4 s where one pass took 0.18 s, and unrolled takes
-# 0.23 s. Unrolled, XLA:CPU's buffer assignment does not reuse one pass's memory for the next (4
-# passes over 32 images of 64 px: 161 MiB, one pass 136 MiB; scanned 93 MiB), optimization
-# barriers between the passes included. On CPU accumulation is then torch's per-pass BatchNorm
-# and a recipe's batch, not less memory; elsewhere the scan's one pass at a time.
+# 0.23 s. Unrolled as written, XLA:CPU interleaved the passes layer by layer and kept all their
+# activations (ResNet-18's half-depth, 4 passes over 32 images of 64 px: 84.5 MiB of temporaries
+# against 59.3 for one pass over 32 and 14.8 over 8); optimization barriers did not change it
+# (XLA:CPU removes them before scheduling). With each pass's images made to depend on the
+# gradients before it (`_zero_after`), the passes run one after another: 38.2 MiB, one pass
+# over 8 plus the gradients' accumulator. (Scanned, the analysis says 16.8.)
 _UNROLLED_PLATFORMS = frozenset({"cpu"})
 
 
@@ -407,9 +409,32 @@ def _accumulate(loss_and_grads: Callable, batch_stats, params, images, labels, k
         return (stats, jax.tree.map(jnp.add, total, grads)), (loss, correct)
 
     carry, xs = (batch_stats, jax.tree.map(jnp.zeros_like, params)), (chunks(images), chunks(labels))
-    (batch_stats, total), (losses, correct) = jax.lax.scan(one, carry, xs, unroll=True if unroll else 1)
+    if unroll:
+        # XLA:CPU schedules independent work breadth first: the passes' stems, then their first
+        # blocks, ..., every pass's activations live at once (4 passes over 32 images needed
+        # more than one pass over all 32). Optimization barriers are gone before it schedules.
+        # A zero computed from the gradients so far, added to the next pass's images, makes each
+        # pass wait for the one before, which frees its activations: see `_UNROLLED_PLATFORMS`.
+        outputs = []
+        for j in range(k):
+            batch = (xs[0][j], xs[1][j])
+            if j:
+                batch = (batch[0] + _zero_after(carry[1]).astype(batch[0].dtype), batch[1])
+            carry, out = one(carry, batch)
+            outputs.append(out)
+        (batch_stats, total), (losses, correct) = carry, jax.tree.map(lambda *o: jnp.stack(o), *outputs)
+    else:
+        (batch_stats, total), (losses, correct) = jax.lax.scan(one, carry, xs)
     # The mean over equal chunks of their means is the mean over the share, as without chunks.
     return jnp.mean(losses), batch_stats, jax.tree.map(lambda g: g / k, total), jnp.sum(correct)
+
+
+def _zero_after(tree) -> jax.Array:
+    """A scalar 0 that XLA computes only once every leaf of `tree` is: their first elements,
+    summed and multiplied by 0 (XLA does not fold `x * 0` for floats, as x may be NaN; a
+    NaN or inf is taken as 0 first, so that it stays in the gradients it belongs to)."""
+    first = sum(leaf.ravel()[0].astype(jnp.float32) for leaf in jax.tree.leaves(tree))
+    return jnp.where(jnp.isfinite(first), first, 0.0) * 0.0
 
 
 def _zero_norms(tree):
