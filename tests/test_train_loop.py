@@ -542,7 +542,14 @@ def _image_folder(root, classes=("a", "b"), per_class=6, corrupt=0):
     return root
 
 
-def test_image_folder_trains_and_skips_unreadable(tmp_path):
+def test_image_folder_trains_and_skips_unreadable(tmp_path, monkeypatch):
+    """Also: the run's `variables.safetensors` says what its outputs mean and how it was fed, in
+    the fields a port of torchvision's weights has: its classes in output order (`categories`),
+    the held-out transform the run used (`preprocess`, read off that transform's torchvision
+    objects) and `--init`. Before, it recorded the step alone."""
+    from jaxport._io import read_metadata
+    from jaxport.train import _presets
+
     root = _image_folder(tmp_path / "data", per_class=10, corrupt=2)
     with pytest.warns(UserWarning) as record:
         data = _data.image_folder(str(root), image_size=16, workers=0)
@@ -567,11 +574,22 @@ def test_image_folder_trains_and_skips_unreadable(tmp_path):
         np.testing.assert_array_equal(xa, xb)
         np.testing.assert_array_equal(ya, yb)
 
+    used, real = [], _presets.transforms
+    monkeypatch.setattr(_presets, "transforms", lambda *a, **kw: used.append(real(*a, **kw)) or used[-1])
+    torch.save(torchvision.models.resnet18(num_classes=2).state_dict(), tmp_path / "start.pt")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         result = train(TrainConfig(workdir=str(tmp_path / "w"), data=str(root), image_size=16, batch_size=8,
-                                   epochs=1, workers=0, progress=False, devices=1))
+                                   epochs=1, workers=0, progress=False, devices=1, val_resize_size=20,
+                                   interpolation="bicubic", init=str(tmp_path / "start.pt")))
     assert 0 <= result["val_acc"] <= 1
+    meta = read_metadata(tmp_path / "w" / "variables.safetensors")
+    assert json.loads(meta["categories"]) == data.classes and meta["init"] == str(tmp_path / "start.pt")
+    resize, crop, _, _, normalize = used[-1][1].transforms  # the evaluation's Compose (`_presets.eval_transform`)
+    assert json.loads(meta["preprocess"]) == {
+        "resize_size": [resize.size], "crop_size": [crop.size[0]], "interpolation": resize.interpolation.value,
+        "antialias": resize.antialias, "mean": list(normalize.mean), "std": list(normalize.std)}
+    assert (resize.size, crop.size, resize.interpolation.value) == (20, (16, 16), "bicubic")  # as given
 
 
 def test_init_reads_every_format_and_refuses_the_wrong_ones(tmp_path):

@@ -1407,7 +1407,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             # The step just checkpointed: an earlier run's final file (a resumed run's) was left
             # as if it were this run's, steps behind the checkpoints, read silently by --init.
             try:
-                _save_final(state, cfg, gstep, ema)
+                _save_final(state, cfg, gstep, data.classes, ema)
             except OSError as err:  # a full disk: the error replaced the interruption (status 2,
                 # not 130/143) and hid that the step was checkpointed
                 raise Interrupted(e.signum, e.step, e.workdir,
@@ -1430,7 +1430,7 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
             data.close()
     try:
         if lead:  # before the plot: the weights matter more
-            _save_final(state, cfg, gstep, ema)
+            _save_final(state, cfg, gstep, data.classes, ema)
         if lead and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
             plot_metrics(metrics_path, os.path.join(cfg.workdir, "training_curves.png"))
     except OSError as e:  # "free some space or write elsewhere" read as if the training were lost
@@ -1443,15 +1443,22 @@ def _train(cfg: TrainConfig, log: Callable[[str], None] | None, held: list[int])
     return result
 
 
-def _save_final(state, cfg: TrainConfig, step: int, ema=None) -> None:
+def _save_final(state, cfg: TrainConfig, step: int, classes: list[str], ema=None) -> None:
     """The weights in jaxport's variables format, readable whatever the topology (replicated, so
     this process's first shard is the value); `jaxport export`, `verify` and `--init` read it
-    like any ported file. Its header records the step. With `ema` (--model-ema), its variables
-    beside them, in `FINAL_EMA`, alike."""
+    like any ported file. With `ema` (--model-ema), its variables beside them, in `FINAL_EMA`,
+    alike. Their header records the step, the classes in output order (`categories`), how
+    --data's held-out images were fed (`preprocess`) and `--init`, the first two as JSON in
+    the fields a port of torchvision's weights has (`torch_compat.weights_metadata`)."""
+    metadata = {"step": str(step), "categories": json.dumps(classes)}
+    if cfg.data is not None:
+        metadata["preprocess"] = json.dumps(_presets.preprocess_metadata(cfg, _data.MEAN, _data.STD))
+    if cfg.init is not None:
+        metadata["init"] = os.fspath(cfg.init)
     for name, variables in ((FINAL_VARIABLES, state.variables), (FINAL_EMA, None if ema is None else ema.variables)):
         if variables is not None:
             final = jax.tree.map(lambda x: np.asarray(x.addressable_shards[0].data), variables)
-            save_variables(os.path.join(cfg.workdir, name), final, arch=cfg.arch, metadata={"step": str(step)})
+            save_variables(os.path.join(cfg.workdir, name), final, arch=cfg.arch, metadata=metadata)
 
 
 def _ema_step(ema: _ema.EMA, variables, decay: float, restart: bool) -> _ema.EMA:

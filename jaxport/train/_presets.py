@@ -125,6 +125,14 @@ def resolve(p: Presets) -> dict[str, int]:
             "val_resize_size": round(crop * 256 / 224) if p.val_resize_size is None else p.val_resize_size}
 
 
+def preprocess_metadata(p: Presets, mean, std) -> dict[str, Any]:
+    """The evaluation transform of a checked and resolved `p` with `--data`, in the fields
+    torchvision's `weights.transforms()` has (`torch_compat.weights_metadata`'s `preprocess`),
+    so a trained model's file says how to feed it as a ported one's does."""
+    return {"resize_size": [p.val_resize_size], "crop_size": [p.val_crop_size], "interpolation": p.interpolation,
+            "antialias": True, "mean": [float(m) for m in mean], "std": [float(s) for s in std]}
+
+
 def train_transform(crop_size: int, *, interpolation: str = "bilinear", auto_augment: str | None = None,
                     ra_magnitude: int = 9, augmix_severity: int = 3, random_erase: float = 0.0,
                     mean=(0.485, 0.456, 0.406), std=(0.229, 0.224, 0.225)):
