@@ -1448,8 +1448,9 @@ def _save_final(state, cfg: TrainConfig, step: int, classes: list[str], ema=None
     this process's first shard is the value); `jaxport export`, `verify` and `--init` read it
     like any ported file. With `ema` (--model-ema), its variables beside them, in `FINAL_EMA`,
     alike. Their header records the step, the classes in output order (`categories`), how
-    --data's held-out images were fed (`preprocess`) and `--init`, the first two as JSON in
-    the fields a port of torchvision's weights has (`torch_compat.weights_metadata`)."""
+    --data's held-out images were fed (`preprocess`) and `--init` as this run was given it
+    (checkpoints do not record it: a `--resume` without it records none), the first two as JSON
+    in the fields a port of torchvision's weights has (`torch_compat.weights_metadata`)."""
     metadata = {"step": str(step), "categories": json.dumps(classes)}
     if cfg.data is not None:
         metadata["preprocess"] = json.dumps(_presets.preprocess_metadata(cfg, _data.MEAN, _data.STD))
