@@ -302,7 +302,6 @@ class _AdamWOneCycle:
         self.opt = torch.optim.AdamW(ps, lr=0.01, betas=(0.9, 0.99), weight_decay=0.1)
         self.sched = L.OneCycleLR(self.opt, 0.05, total_steps=10, pct_start=0.4, base_momentum=0.5,
                                   max_momentum=0.95, three_phase=three_phase)
-        self.state = self.opt.state
         self.betas = []
 
     def step(self):
