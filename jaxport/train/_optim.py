@@ -183,7 +183,7 @@ def _scale_by_adam(b1: float | Schedule, b2: float, eps) -> optax.GradientTransf
     `b1` may be a schedule (updates done -> beta1), as torch's OneCycleLR sets `betas[0]` on
     Adam before each step; torch's step then uses that beta1 in both the moment and its bias
     correction `1 - beta1**t`, and so does this (log(beta1) then taken in the schedule's dtype)."""
-    base = optax.scale_by_adam(b1=0.0 if callable(b1) else b1, b2=b2, eps=eps)  # only its init is used
+    init = optax.scale_by_adam().init  # its state (count, mu, nu), which no hyper-parameter shapes
     log_b2 = math.log(b2) if b2 > 0 else -math.inf  # b = 0: 1 - 0**t = 1
 
     def update(updates, state, params=None):
@@ -226,7 +226,7 @@ def _scale_by_adam(b1: float | Schedule, b2: float, eps) -> optax.GradientTransf
             out, mu, nu = (jax.tree.map(lambda t, i=i: t[i], triples, is_leaf=is_triple) for i in range(3))
         return out, optax.ScaleByAdamState(count=count, mu=mu, nu=nu)
 
-    return optax.GradientTransformation(base.init, update)
+    return optax.GradientTransformation(init, update)
 
 
 def _is_array(value) -> bool:
