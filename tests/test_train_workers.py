@@ -238,6 +238,45 @@ def test_workers_left_running_at_exit_do_not_hang_it(data):
     assert not _alive(workers)
 
 
+@pytest.mark.parametrize("stream", ["persistent", "second"])
+def test_workers_of_data_dropped_in_a_reference_cycle_stop_when_it_is_collected(data, stream):
+    """Data dropped in a reference cycle, its workers running (those of the split's persistent
+    loader, or those of a second stream opened while the first was read): the cyclic collector
+    took torch's iterator with it and finalised multiprocessing's queues first, so torch's
+    shutdown queued its stop message to a feeder thread already gone. The workers stayed, and
+    the interpreter's exit hung joining them (`test_train_loop.py`'s image-folder test, run
+    alone: pytest's exit collects garbage before the interpreter's exit handlers)."""
+    import gc
+
+    before = _children()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = _data.image_folder(str(data), image_size=16, workers=2)
+    first = loaded.train.stream(iter([[0, 1], [2, 3]]), 0)
+    next(first)
+    if stream == "second":
+        second = loaded.train.stream(iter([[4, 5], [6, 7]]), 0)  # the first is not done: workers of its own
+        next(second)
+    else:
+        first.close()
+    workers = _children() - before
+    assert len(workers) == (4 if stream == "second" else 2)
+    cycle = [loaded, first] + ([second] if stream == "second" else [])
+    cycle.append(cycle)
+    del loaded, first, cycle
+    if stream == "second":
+        del second
+    try:
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(workers)
+    finally:
+        for pid in _alive(workers):  # else this process's exit would hang joining them
+            os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_ctrl_c_to_the_process_group_stops_the_run_and_every_worker(tmp_path, data):
     """`jaxport train` with workers, Ctrl-C to its whole process group (as a terminal sends it)

@@ -615,8 +615,8 @@ class _Batches:
         return len(self.batches)
 
 
-# The loaders with live workers, which `_close_at_exit` shuts down.
-_OPEN: weakref.WeakSet = weakref.WeakSet()
+# The shutdowns of the live workers (`_watch`), by id of the torch iterator that holds them.
+_OPEN: dict[int, weakref.finalize] = {}
 
 
 @functools.cache
@@ -625,12 +625,34 @@ def _register_close_at_exit() -> None:
 
 
 def _close_at_exit() -> None:
-    """Shuts down the workers of loaders nobody closed, as the interpreter exits: torch leaves
-    them to multiprocessing then, which sends them the SIGTERM they ignore (`_init_worker`) and
-    joins them, without end. Registered after torch (atexit runs the last registered first), so
-    this runs while torch can still shut them down."""
-    for loader in list(_OPEN):
-        loader.close()
+    """Shuts down the workers nobody closed, as the interpreter exits: torch leaves them to
+    multiprocessing then, which sends them the SIGTERM they ignore (`_init_worker`) and joins
+    them, without end. Registered after torch (atexit runs the last registered first), so this
+    runs while torch can still shut them down."""
+    for shutdown in list(_OPEN.values()):
+        shutdown()
+
+
+def _shut_down(iterator) -> None:
+    _OPEN.pop(id(iterator), None)
+    iterator._shutdown_workers()
+
+
+def _watch(owner, iterator) -> weakref.finalize:
+    """Shuts down the workers of torch's `iterator` once, at the first of: the returned
+    finalizer called, `owner` collected, or the interpreter's exit (`_close_at_exit`).
+
+    Not left to the iterator's own `__del__`: an owner dropped in a reference cycle took the
+    iterator into the cyclic collector's garbage with it, and the collector runs the weakref
+    callbacks of multiprocessing's queues before any `__del__`. Those stopped the queues' feeder
+    threads, so the stop message torch's shutdown then queued never reached the workers: they
+    stayed, idle, and the interpreter's exit hung joining them (seen after pytest's own
+    collection at the end of a session). Held here, the iterator is never garbage itself."""
+    _register_close_at_exit()  # after torch's handlers (imported by now): runs before them
+    shutdown = weakref.finalize(owner, _shut_down, iterator)
+    shutdown.atexit = False  # `_close_at_exit` runs it: weakref's own exit hook may come after multiprocessing's
+    _OPEN[id(iterator)] = shutdown
+    return shutdown
 
 
 class _Loader:
@@ -648,6 +670,7 @@ class _Loader:
         self.sampler = _Batches()
         self.loader = None  # the persistent DataLoader, from the first stream to `close()`
         self.iterator = None  # its iterator, which holds the workers
+        self.shutdown = None  # the workers' shutdown (`_watch`)
         self.busy = False  # a stream is reading the workers' batches
 
     def _data_loader(self, batch_sampler, persistent: bool):
@@ -670,10 +693,9 @@ class _Loader:
                 self.sampler.batches = batches  # read by iter() below
                 if self.loader is None:
                     self.loader = self._data_loader(self.sampler, persistent=True)
-                    _register_close_at_exit()  # after torch's handlers (imported by now): runs before them
-                    _OPEN.add(self)
                     with _signals_blocked(self.workers):
                         self.iterator = iter(self.loader)  # starts the workers
+                    self.shutdown = _watch(self, self.iterator)
                 else:
                     # Later streams: the same workers, told to start over. Batches a stream closed
                     # mid-epoch left queued are loaded, and dropped, first.
@@ -703,22 +725,23 @@ class _Loader:
         loader = self._data_loader(batches, persistent=False)
         with _signals_blocked(self.workers):
             it = iter(loader)  # starts the workers, if any
+        # `loader` is this generator's alone (torch's iterator does not hold it): collected with
+        # the generator, it shuts the workers down, as an abandoned stream's `_Loader` does.
+        shutdown = _watch(loader, it) if self.workers else None
         try:
             yield from it
         finally:
             # Now, not when garbage collection finds the iterator: at exit, torch leaves its
             # workers to multiprocessing, whose SIGTERM they ignore (`_init_worker`),
             # and joining them would hang. Closing this generator (or an error) lands here.
-            shutdown = getattr(it, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
 
     def close(self) -> None:
         """Shuts the workers down now (joined: no process is left), if they were started."""
-        iterator, self.iterator, self.loader = self.iterator, None, None
-        _OPEN.discard(self)
-        if iterator is not None:
-            iterator._shutdown_workers()
+        shutdown, self.shutdown, self.iterator, self.loader = self.shutdown, None, None, None
+        if shutdown is not None:
+            shutdown()
 
 
 def _torch_split(samples, transform, seed, workers) -> Split:
