@@ -232,7 +232,10 @@ def test_one_process_failing_mid_run_stops_every_process_with_its_error(tmp_path
                     data = path.read_bytes()
                     path.write_bytes(data[:len(data) // 2] + b"\xff" * (len(data) - len(data) // 2))
     t0 = time.time()
-    results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d)] for d in ("good", "bad")])
+    # Loaded in each trainer (--workers 0): spawned workers (tested in test_train_workers.py)
+    # import torch and torchvision each, which more than doubled these two-process tests' time.
+    results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d), "--workers", "0"]
+                                  for d in ("good", "bad")])
     _clean_stop(results, r"image \S+\.jpg cannot be decoded past its header \(.*\); no checkpoint was written yet: "
                          r"remove it, or re-encode it \(open and save it again\), then rerun")
     assert re.search(r"^jaxport: error: process 1 stopped \(`--data`: image \S+bad\S+\.jpg cannot be decoded", results[0][1], re.M)
@@ -260,7 +263,7 @@ def test_one_process_failing_an_evaluation_names_the_checkpoint_that_continues(t
                         data = path.read_bytes()
                         path.write_bytes(data[:len(data) // 2] + b"\xff" * (len(data) - len(data) // 2))
     results = _run_two(tmp_path, [["--workdir", "w", "--data", str(tmp_path / d), "--max-steps", "2",
-                                   "--checkpoint-every", "1"] for d in ("good", "bad")])
+                                   "--checkpoint-every", "1", "--workers", "0"] for d in ("good", "bad")])
     _clean_stop(results, r"image \S+bad/val/\S+\.jpg, held out for evaluation, cannot be decoded past its header "
                          r"\(.*\); the other processes of this run wait for this one in a collective, so it could not "
                          r"be checkpointed here; its latest checkpoint is step 1: re-encode it \(open and save it "
