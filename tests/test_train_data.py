@@ -154,16 +154,20 @@ def test_ctrl_c_while_loader_workers_start_leaves_them_serving(tmp_path):
         data = _data.image_folder({str(tmp_path / "data")!r}, image_size=16, workers=1)
         done = threading.Event()
 
-        def interrupt_children():  # Ctrl-C reaches the whole process group; here only the children
-            while not done.is_set():
+        def interrupt_children():  # Ctrl-C reaches the whole process group; here only the descendants
+            while not done.is_set():  # (workers forked from a forkserver are its children, not ours)
+                parents = {{}}
                 for pid in filter(str.isdigit, os.listdir("/proc")):
                     try:
                         with open(f"/proc/{{pid}}/stat") as f:
-                            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                            parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
                     except (OSError, ValueError, IndexError):
                         continue
-                    if ppid == os.getpid():
-                        os.kill(int(pid), signal.SIGINT)
+                ours = {{os.getpid()}}
+                while new := {{p for p, ppid in parents.items() if ppid in ours}} - ours:
+                    ours |= new
+                for pid in ours - {{os.getpid()}}:
+                    os.kill(pid, signal.SIGINT)
                 time.sleep(0.01)
 
         threading.Thread(target=interrupt_children, daemon=True).start()

@@ -2,9 +2,10 @@
 evaluation of a run, and stop when it ends, however it ends (`jaxport.train._data._Loader`).
 
 A loader per stream spawned new workers at each epoch's training and at each evaluation: ~4 s
-each on 2 cores, twice an epoch. Workers are found as this process's children started by
-multiprocessing's spawn. ResNet-18 at 16 px on 18 training images, batch 4: 4 steps an epoch.
+each on 2 cores, twice an epoch. Workers are found as this process's children spawned by
+multiprocessing, or as those of its forkserver. ResNet-18 at 16 px on 18 training images, batch 4: 4 steps an epoch.
 """
+import inspect
 import os
 import re
 import shutil
@@ -26,21 +27,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads child processes from /proc")
 
 
-def _children(pid: int | None = None) -> set[int]:
-    """The spawned processes (DataLoader workers) whose parent is `pid` (this process)."""
-    pid = os.getpid() if pid is None else pid
-    found = set()
+def workers_of(pid: int) -> set[int]:
+    """The DataLoader workers of process `pid`: its children spawned by multiprocessing, or those
+    of its multiprocessing forkserver (`_data._worker_context`; the server itself is not a worker,
+    and stays for the process's lifetime). Also run by the script of
+    `test_workers_left_running_at_exit_do_not_hang_it` (its source, hence the import here)."""
+    import os
+
+    table = {}
     for child in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{child}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{child}/cmdline", "rb") as f:
-                spawned = b"spawn_main" in f.read()
+                table[int(child)] = ppid, f.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == pid and spawned:
-            found.add(int(child))
-    return found
+    servers = {p for p, (ppid, cmd) in table.items() if ppid == pid and b"multiprocessing.forkserver" in cmd}
+    return {p for p, (ppid, cmd) in table.items() if (ppid == pid and b"spawn_main" in cmd) or ppid in servers}
+
+
+def _children(pid: int | None = None) -> set[int]:
+    """The DataLoader workers of `pid` (this process)."""
+    return workers_of(os.getpid() if pid is None else pid)
 
 
 def _alive(pids) -> set[int]:
@@ -148,6 +157,40 @@ def test_workers_stop_after_a_stop_request(tmp_path, data, monkeypatch):
     assert _children() == before and not _alive(next(iter(phases["eval 0"])))
 
 
+def _status(pid: int) -> tuple[int, int]:
+    """(parent pid, mask of blocked signals) of process `pid`, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["PPid"]), int(fields["SigBlk"], 16)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="workers are forked from a forkserver on Linux")
+def test_workers_are_forked_from_a_server_that_holds_off_ctrl_c_and_sigterm(data):
+    """Spawned, every worker imported torch and torchvision itself (~5 s of CPU each, 4 a run on 2
+    cores). Forked from multiprocessing's forkserver, a child of this process that imported them
+    once. The server is started with SIGINT and SIGTERM blocked, as the workers are: a SIGTERM to
+    the process group (a scheduler's) would end it, and torch's workers stop once their parent
+    is gone, while the trainer still needs them for the step it checkpoints."""
+    before = _children()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = _data.image_folder(str(data), image_size=16, workers=2)
+    with loaded:
+        stream = loaded.train.stream(iter([[0, 1], [2, 3]]), 0)
+        next(stream)
+        workers = _children() - before
+        (server,) = {_status(w)[0] for w in workers}
+        with open(f"/proc/{server}/cmdline", "rb") as f:
+            assert b"multiprocessing.forkserver" in f.read()
+        held = (1 << (signal.SIGINT - 1)) | (1 << (signal.SIGTERM - 1))
+        for pid in (server, *workers):
+            parent, blocked = _status(pid)
+            assert blocked & held == held, (pid, hex(blocked))
+        assert len(workers) == 2 and _status(server)[0] == os.getpid()
+        stream.close()
+    assert _children() == before
+
+
 def test_a_stream_closed_mid_epoch_leaves_the_workers_to_the_next_one(data):
     """A stream closed after one batch (a stop, or max_steps) left batches queued in the
     workers: the next stream, of another epoch, gets its own batches only, from the same
@@ -201,7 +244,7 @@ def test_workers_left_running_at_exit_do_not_hang_it(data):
     torch leaves its workers to multiprocessing, which sends them the SIGTERM they ignore and
     joins them (seen: tracebacks of workers that lost their queues, and torch's "exited
     unexpectedly"; the comments in `_data` saw it hang)."""
-    script = textwrap.dedent(f"""
+    script = inspect.getsource(workers_of) + textwrap.dedent(f"""
         import os, warnings
         from jaxport.train import _data
 
@@ -210,10 +253,7 @@ def test_workers_left_running_at_exit_do_not_hang_it(data):
             data = _data.image_folder({str(data)!r}, image_size=16, workers=2)
             stream = data.train.stream(iter([[0, 1], [2, 3], [4, 5]]), 0)
             next(stream)
-            pids = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{{p}}/stat")
-                    and int(open(f"/proc/{{p}}/stat").read().rsplit(")", 1)[1].split()[1]) == os.getpid()
-                    and b"spawn_main" in open(f"/proc/{{p}}/cmdline", "rb").read()]
-            print("workers", *pids, flush=True)
+            print("workers", *workers_of(os.getpid()), flush=True)
     """)
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

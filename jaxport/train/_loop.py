@@ -131,7 +131,7 @@ class TrainConfig:
     test_only: bool = False
     checkpoint_every: int = 500  # steps; also at each epoch end
     keep_checkpoints: int = 3
-    # --data's loader processes (None: up to 4). They are spawned and run the calling script again
+    # --data's loader processes (None: up to 4). Like spawned ones, they run the calling script again
     # first: a script calling `train` needs an `if __name__ == "__main__":` guard (refused without).
     workers: int | None = None
     max_steps: int | None = None  # stop after this global step (tests, smoke runs)
@@ -974,7 +974,7 @@ def train(cfg: TrainConfig, log: Callable[[str], None] | None = None) -> dict:
       DivergedError: the loss or the weights became non-finite (inf/NaN); raised before any
         such state is checkpointed, naming the step and the last good checkpoint.
 
-    With `data` an image folder and `workers` > 0 (the default), loading spawns worker processes
+    With `data` an image folder and `workers` > 0 (the default), loading starts worker processes
     that each run the calling script again before they load anything, as Python's
     multiprocessing does: a script calling `train` must do so under `if __name__ == "__main__":`
     (without it, the workers' run of the script stops with a ConfigError that says so).
