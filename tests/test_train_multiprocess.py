@@ -154,13 +154,15 @@ def test_sigkill_of_one_process_stops_the_other_with_one_line(tmp_path):
     assert waited < 45, waited  # 15 s of silence, up to 10 s waiting for the others' exits, slack
 
 
-def _run_two(tmp_path, per_process, timeout=300):
-    """Launch processes 0 and 1 with `ARGS` + `per_process[i]`; their (returncode, stderr)."""
+def _run_two(tmp_path, per_process, devices=(2, 2), timeout=300):
+    """Launch processes 0 and 1 of a run of 2, with `ARGS` and then each its own flags
+    `per_process[i]` (which may name another --num-processes), over `devices[i]` CPU devices;
+    their (returncode, stderr)."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", *ARGS, *extra, "--coordinator",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-                              env=_env(2), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, extra in enumerate(per_process)]
+    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", *ARGS, "--coordinator", f"127.0.0.1:{port}",
+                               "--num-processes", "2", "--process-id", str(i), *extra],
+                              env=_env(n), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i, (n, extra) in enumerate(zip(devices, per_process))]
     return [(p.returncode, err) for p, (_, err) in zip(procs, [p.communicate(timeout=timeout) for p in procs])]
 
 
@@ -365,16 +367,6 @@ def test_a_process_gone_before_its_first_heartbeat_is_named(tmp_path):
     assert time.time() - t0 < 45
 
 
-def _launch(tmp_path, per_process, timeout=300):
-    """Processes 0 and 1 with `ARGS` and each its own flags and device count: (returncode, stderr)."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxport.train", "--workdir", "w", *ARGS, "--coordinator",
-                               f"127.0.0.1:{port}", "--process-id", str(i), *extra], env=_env(devices), cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, (devices, extra) in enumerate(per_process)]
-    return [(p.returncode, err) for p, (_, err) in zip(procs, [p.communicate(timeout=timeout) for p in procs])]
-
-
 @pytest.mark.slow
 def test_processes_told_different_counts_are_refused(tmp_path):
     """Told 2 and 3 processes, processes 0 and 1 trained as a run of 2 (process 2, if started,
@@ -383,10 +375,10 @@ def test_processes_told_different_counts_are_refused(tmp_path):
     The first launch differs in --lr too, which trained silently wrong weights on process 1
     (`test_processes_started_differently_are_refused_on_every_process`): every difference
     between the flags is named, checked before anything is loaded."""
-    _clean_stop(_launch(tmp_path, [(2, ["--num-processes", "2"]), (2, ["--num-processes", "3", "--lr", "0.2"])]),
+    _clean_stop(_run_two(tmp_path, [["--workdir", "w"], ["--workdir", "w", "--num-processes", "3", "--lr", "0.2"]]),
                 r"different settings \(--lr: 0\.05 on process 0, 0\.2 on process 1; "
                 r"--num-processes: 2 on process 0, 3 on process 1\).*nothing was trained")
-    _clean_stop(_launch(tmp_path, [(1, ["--num-processes", "2"]), (2, ["--num-processes", "2"])]),
+    _clean_stop(_run_two(tmp_path, [["--workdir", "w"]] * 2, devices=(1, 2)),
                 r"every process must have the same number of devices, and they have 1 on process 0, 2 on process 1")
     assert not (tmp_path / "w" / "checkpoints").exists() or not any((tmp_path / "w" / "checkpoints").iterdir())
 
