@@ -611,7 +611,7 @@ def _worker_context():
 
 
 def _worker_init_fn():
-    """`_init_worker` with this process's warning display, when it can travel to a spawned worker."""
+    """`_init_worker` with this process's warning display, when it can travel to a worker."""
     try:
         pickle.dumps(warnings.showwarning)
     except Exception:  # noqa: BLE001 - e.g. a lambda: the workers keep Python's display
@@ -622,8 +622,9 @@ def _worker_init_fn():
 def refuse_in_worker_start(call: str) -> None:
     """Raises when `call` runs while a spawned process (a DataLoader worker) starts.
 
-    Workers are spawned (jax's threads make fork unsafe), so each runs the script that started
-    the loader again, as Python's `multiprocessing` does, before it serves any batch. A script
+    Workers are spawned, or forked from a forkserver (never from the trainer: jax's threads make
+    that unsafe), so each runs the script that started the loader again, as Python's
+    `multiprocessing` does for both, before it serves any batch. A script
     that calls `train` at its top level, with no `if __name__ == "__main__":` guard, then trained
     again in every worker: that failed on the workdir's lock, the parent reported only that "a
     DataLoader worker exited unexpectedly", and nothing named the missing guard. (Python's own
