@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -23,3 +25,26 @@ def test_passing_tests_leave_no_temporary_files(tmp_path):
     assert "1 failed, 1 passed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     kept = sorted(p.name for p in base.iterdir() if not p.is_symlink()) if base.exists() else []  # (not the "current" link)
     assert kept == ["test_fails0"], kept
+
+
+def test_tmp_path_is_under_the_temporary_root_the_suite_chose(tmp_path):
+    """conftest points pytest's temporary root at /dev/shm where that is a roomy tmpfs (RAM:
+    checkpoints are written there several times faster than to a VM's disk); xdist's workers
+    take their directories inside the controller's."""
+    root = os.environ.get("PYTEST_DEBUG_TEMPROOT")
+    if not root:
+        pytest.skip("pytest's default temporary root (no roomy tmpfs at /dev/shm)")
+    assert tmp_path.resolve().is_relative_to(os.path.realpath(root)), (tmp_path, root)
+
+
+def test_the_ram_root_needs_room(monkeypatch):
+    import conftest
+
+    real = os.statvfs
+    st = real("/dev/shm") if os.path.isdir("/dev/shm") else None
+    if st is None or conftest._ram_temproot() is None:
+        pytest.skip("no roomy tmpfs at /dev/shm here")
+    # 1 GiB free: too little for a run's ~2 GB of workdirs.
+    monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result(
+        (*st[:3], (1 << 30) // st.f_frsize, (1 << 30) // st.f_frsize, *st[5:])))
+    assert conftest._ram_temproot() is None
