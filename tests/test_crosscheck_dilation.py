@@ -104,7 +104,8 @@ def test_a_pairing_dilated_on_one_side_only_fails(deeplab, monkeypatch, undilate
         monkeypatch.setattr(models, "build", lambda arch, **kw: build(arch, **{**kw, "replace_stride_with_dilation": None}))
     else:
         make = _crosscheck._torchvision
-        monkeypatch.setattr(_crosscheck, "_torchvision", lambda arch, n, dilate: make(arch, n, (False,) * 3))
+        monkeypatch.setattr(_crosscheck, "_torchvision",
+                            lambda arch, n, dilate, *rest: make(arch, n, (False,) * 3, *rest))
     shapes = ["(2, 3, 3, 1024)", "(2, 5, 5, 1024)"]
     if undilated == "torch":
         shapes.reverse()

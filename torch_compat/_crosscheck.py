@@ -14,6 +14,7 @@ import torchvision
 from jaxport import models
 from jaxport._args import is_int, is_real
 from jaxport._errors import ConfigError, ConversionError
+from jaxport._io import flatten
 
 from ._convert import Entry, check_state_dict, check_variables, detect_arch, flax_to_torch, torch_to_flax
 
@@ -121,15 +122,21 @@ def _classes(entries: list[Entry]) -> int:
     return next((e.torch_shape[0] for e in entries if e.torch_key == "fc.weight"), 0)
 
 
-def _torchvision(arch: str, num_classes: int, dilate: tuple[bool, bool, bool]) -> torch.nn.Module:
-    """torchvision's `arch`; with `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
-    # Its random initialisation (replaced by the weights checked) drew from the caller's global
-    # generator: a seeded script's later draws changed with whether it cross-checked first.
-    with torch.random.fork_rng(devices=[]):
+def _torchvision(arch: str, num_classes: int, dilate: tuple[bool, bool, bool], state_dict: Mapping[str, torch.Tensor],
+                 dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """torchvision's `arch` holding copies of `state_dict`'s tensors (cast to `dtype`); with
+    `num_classes=0` a backbone, whose `fc` is `nn.Identity()`."""
+    # Built on the meta device, then given memory: torchvision's random initialisation, which
+    # the weights replace, took ~1.5 s of wide_resnet101_2's cross-check per model (two in train
+    # mode), and drew from the caller's global generator (a seeded script's later draws changed
+    # with whether it cross-checked first).
+    with torch.device("meta"):
         model = getattr(torchvision.models, arch)(num_classes=num_classes or 1000,
                                                   replace_stride_with_dilation=list(dilate))
     if not num_classes:
         model.fc = torch.nn.Identity()
+    model = model.to_empty(device="cpu").to(dtype)
+    model.load_state_dict(state_dict, strict=True)  # every tensor: no uninitialised memory is left
     return model
 
 
@@ -277,14 +284,12 @@ def cross_check(
 
     reports = []
     for mode in modes:
-        torch_model = _torchvision(arch, num_classes, dilate)
-        torch_model.load_state_dict(f32, strict=True)
+        torch_model = _torchvision(arch, num_classes, dilate, f32)
         torch_model.train(mode == "train")
         ref = _torch_stages(torch_model, x)
         ref64, model64 = {}, None
         if mode == "train":
-            model64 = _torchvision(arch, num_classes, dilate).double()
-            model64.load_state_dict(f32, strict=True)
+            model64 = _torchvision(arch, num_classes, dilate, f32, torch.float64)
             model64.train()
             ref64 = _torch_stages(model64, x.double())
         tol = rtol if mode == "eval" else train_rtol
@@ -314,13 +319,20 @@ def cross_check(
     return reports
 
 
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 def _running_stats_rows(torch_model: torch.nn.Module, model64: torch.nn.Module, variables: Mapping[str, Any],
                         arch: str, rtol: float) -> list[StageError]:
-    ours = flax_to_torch(variables, arch)
+    # The statistics alone, by the conversion table: `flax_to_torch` of the whole variables copied
+    # every kernel back to torch's layout first (2 GB of transposed copies for wide_resnet101_2).
+    flat = flatten(variables)
+    ours = {e.torch_key: np.asarray(flat.get(e.flax_key, 0)) for e in check_variables(variables, arch)
+            if e.torch_key.endswith(_STATS)}
     ref, ref64 = torch_model.state_dict(), model64.state_dict()
     rows = []
-    for stat in ("running_mean", "running_var", "num_batches_tracked"):
-        errors = [_err(stat, ours[k].numpy(), t.numpy(), rtol, ref64[k].numpy()) for k, t in ref.items() if k.endswith(stat)]
+    for stat in _STATS:
+        errors = [_err(stat, ours[k], t.numpy(), rtol, ref64[k].numpy()) for k, t in ref.items() if k.endswith(stat)]
         rows.append(max(errors, key=lambda e: (not np.isfinite(e.max_rel), e.max_rel)))
     return rows
 
