@@ -11,8 +11,9 @@ import tempfile
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 
 
-def _ram_temproot() -> str | None:
-    """/dev/shm where it is a tmpfs with room to spare (Linux), else None (pytest's default).
+def _ram_temproot(room: int = 4 << 30, available: int = 12 << 30) -> str | None:
+    """/dev/shm where it is a writable tmpfs with `room` bytes free and the machine has
+    `available` bytes of memory available (Linux), else None (pytest's default).
 
     The suite writes gigabytes of checkpoints, workdirs and exports under tmp_path. On a VM's
     disk each orbax save of a ResNet-18 state (~90 MB) took 0.4-1.7 s, against 0.4-0.6 s in RAM:
@@ -26,14 +27,14 @@ def _ram_temproot() -> str | None:
     root = "/dev/shm"
     try:
         with open("/proc/meminfo") as f:
-            available = int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) << 10
+            memory = int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) << 10
         with open("/proc/mounts") as f:
             tmpfs = any(line.split()[1:3] == [root, "tmpfs"] for line in f)
         st = os.statvfs(root)
     except (OSError, StopIteration, ValueError):
         return None
-    room = st.f_bavail * st.f_frsize
-    return root if tmpfs and os.access(root, os.W_OK) and room >= 4 << 30 and available >= 12 << 30 else None
+    free = st.f_bavail * st.f_frsize
+    return root if tmpfs and os.access(root, os.W_OK) and free >= room and memory >= available else None
 
 
 # Where tmp_path's directories go (pytest's own variable: its numbered `pytest-of-<user>/pytest-N`

@@ -37,14 +37,16 @@ def test_tmp_path_is_under_the_temporary_root_the_suite_chose(tmp_path):
     assert tmp_path.resolve().is_relative_to(os.path.realpath(root)), (tmp_path, root)
 
 
-def test_the_ram_root_needs_room(monkeypatch):
+def test_the_ram_root_needs_room_and_memory(monkeypatch):
+    """Decided by the thresholds given, not by the memory the running suite happens to leave."""
     import conftest
 
-    real = os.statvfs
-    st = real("/dev/shm") if os.path.isdir("/dev/shm") else None
-    if st is None or conftest._ram_temproot() is None:
-        pytest.skip("no roomy tmpfs at /dev/shm here")
+    if not os.path.isdir("/dev/shm") or conftest._ram_temproot(room=0, available=0) is None:
+        pytest.skip("no writable tmpfs at /dev/shm here")
+    assert conftest._ram_temproot(room=0, available=1 << 60) is None  # not that much memory
+    st = os.statvfs("/dev/shm")
     # 1 GiB free: too little for a run's ~2 GB of workdirs.
     monkeypatch.setattr(os, "statvfs", lambda p: os.statvfs_result(
         (*st[:3], (1 << 30) // st.f_frsize, (1 << 30) // st.f_frsize, *st[5:])))
-    assert conftest._ram_temproot() is None
+    assert conftest._ram_temproot(room=0, available=0) is not None
+    assert conftest._ram_temproot(room=4 << 30, available=0) is None
