@@ -325,7 +325,7 @@ _STATS = ("running_mean", "running_var", "num_batches_tracked")
 def _running_stats_rows(torch_model: torch.nn.Module, model64: torch.nn.Module, variables: Mapping[str, Any],
                         arch: str, rtol: float) -> list[StageError]:
     # The statistics alone, by the conversion table: `flax_to_torch` of the whole variables copied
-    # every kernel back to torch's layout first (2 GB of transposed copies for wide_resnet101_2).
+    # every kernel back to torch's layout first (~500 MB of transposed copies for wide_resnet101_2).
     flat = flatten(variables)
     ours = {e.torch_key: np.asarray(flat.get(e.flax_key, 0)) for e in check_variables(variables, arch)
             if e.torch_key.endswith(_STATS)}
