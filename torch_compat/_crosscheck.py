@@ -16,7 +16,8 @@ from jaxport._args import is_int, is_real
 from jaxport._errors import ConfigError, ConversionError
 from jaxport._io import flatten
 
-from ._convert import Entry, check_state_dict, check_variables, detect_arch, flax_to_torch, torch_to_flax
+from ._convert import (Entry, _check_flat_variables, check_state_dict, check_variables, detect_arch, flax_to_torch,
+                       torch_to_flax)
 
 STAGES = ("stem", "layer1", "layer2", "layer3", "layer4", "pooled", "logits")
 # torchvision module whose forward output is each stage (forward hooks read them there).
@@ -327,7 +328,7 @@ def _running_stats_rows(torch_model: torch.nn.Module, model64: torch.nn.Module, 
     # The statistics alone, by the conversion table: `flax_to_torch` of the whole variables copied
     # every kernel back to torch's layout first (~500 MB of transposed copies for wide_resnet101_2).
     flat = flatten(variables)
-    ours = {e.torch_key: np.asarray(flat.get(e.flax_key, 0)) for e in check_variables(variables, arch)
+    ours = {e.torch_key: np.asarray(flat.get(e.flax_key, 0)) for e in _check_flat_variables(flat, arch)
             if e.torch_key.endswith(_STATS)}
     ref, ref64 = torch_model.state_dict(), model64.state_dict()
     rows = []
