@@ -8,6 +8,7 @@ wrong-shape key at once. Keys are never guessed by trying renames.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Iterator, Mapping
 
@@ -508,6 +509,7 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
 # the rows it reads stay in L1 until every element of their cache lines is used. Measured on
 # ResNet-50's convs (2 cores): 32-64 rows fastest; numpy's unblocked transposed copy was 3x
 # slower, and torch's blocked 2-D `copy_` plus a second pass for 3x3 kernels ~1.2x slower.
+# `flax_to_torch` blocks the other way round: _BLOCK_ROWS output rows (the source's last axis).
 _BLOCK_ROWS = 32
 # Tensors bigger than this are converted on the thread pool (numpy releases the GIL while it
 # copies); smaller ones cost less than the hand-off.
@@ -516,30 +518,89 @@ _PARALLEL_MIN_BYTES = 1 << 16
 _TORCH_TRANSPOSE_MIN = 360 * 360
 
 
+def _empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """`np.empty(shape, dtype)`, in memory from torch's allocator.
+
+    numpy asks the kernel to back every array of 4 MiB or more with transparent huge pages
+    (`madvise(MADV_HUGEPAGE)`). Where the kernel's THP defrag setting is `madvise` (its default),
+    the first write to such memory can wait while the kernel compacts memory to find a huge
+    page. A one-shot conversion writes only fresh memory: `torch_to_flax` of wide_resnet101_2
+    took 2.2 s in a new process, against 0.3 s with the advice off and 0.23 s for later calls
+    (2-core Xeon VM, 2026-12-07). torch's allocator gives no such advice. (numpy's own switch,
+    `np._core.multiarray._set_madvise_hugepage`, is private and process-wide.)
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    return torch.empty(nbytes, dtype=torch.uint8).numpy().view(dtype).reshape(shape)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    """bfloat16 as its int16 bits (numpy and torch copy those as plain integers); other dtypes as
+    they are."""
+    return a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a
+
+
 def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
     """`np.ascontiguousarray(_to_numpy(t).transpose(perm))`, bit for bit, in a fraction of the time.
 
     For the converter's layouts (conv OIHW -> HWIO, linear (O, I) -> (I, O)) torch's axis 0
     becomes the output's last axis. numpy copies a transposed array element by element, reading
     with the stride of a whole row: a cache miss per element. Copying `_BLOCK_ROWS` source rows
-    at a time keeps those rows in cache instead. bfloat16 is copied as its uint16 bits.
+    at a time keeps those rows in cache instead. bfloat16 is copied as its int16 bits.
     """
     t = t.detach().cpu()
     a = _to_numpy(t)
+    out = _empty(_permuted(a.shape, perm), a.dtype)
+    bits, out_bits = _bits(a), _bits(out)
     if perm != _OIHW_TO_HWIO and perm != (1, 0):
-        return np.ascontiguousarray(a.transpose(perm))
+        np.copyto(out_bits, bits.transpose(perm))
+        return out
     matrix = a.ndim == 2 or a.shape[2:] == (1, 1)  # a linear or 1x1 kernel: one 2-D transpose
     if matrix and a.size >= _TORCH_TRANSPOSE_MIN and t.is_contiguous():
         # torch's `copy_` does a big 2-D transpose with a cache-blocked kernel, ~20% faster
         # than the numpy loop below.
         o, i = a.shape[:2]
-        out = torch.empty((i, o), dtype=t.dtype).copy_(t.reshape(o, i).t())
-        return _to_numpy(out).reshape(_permuted(a.shape, perm))
-    bits = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
-    out = np.empty(_permuted(bits.shape, perm), bits.dtype)
+        torch.from_numpy(out_bits.reshape(i, o)).copy_(torch.from_numpy(bits.reshape(o, i)).t())
+        return out
     for lo in range(0, bits.shape[0], _BLOCK_ROWS):
-        out[..., lo : lo + _BLOCK_ROWS] = bits[lo : lo + _BLOCK_ROWS].transpose(perm)
-    return out.view(a.dtype) if bits is not a else out
+        out_bits[..., lo : lo + _BLOCK_ROWS] = bits[lo : lo + _BLOCK_ROWS].transpose(perm)
+    return out
+
+
+def _copy(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of `a` in memory from torch's allocator (see `_empty`)."""
+    out = _empty(a.shape, a.dtype)
+    np.copyto(_bits(out), _bits(a))
+    return out
+
+
+def _torch_dtype_of(dtype: np.dtype) -> torch.dtype:
+    if dtype == ml_dtypes.bfloat16:
+        return torch.bfloat16
+    return torch.from_numpy(np.empty(0, dtype)).dtype  # TypeError for a dtype torch lacks, as before
+
+
+def _unpermuted_copy(a: np.ndarray, perm: tuple[int, ...] | None) -> torch.Tensor:
+    """A torch tensor of `a.transpose(argsort(perm))` (`a` itself for None), bit for bit: the
+    inverse of `_permuted_copy`, blocked the other way round. `a` may be read-only (a jax
+    array's buffer): it is only read."""
+    inverse = tuple(int(i) for i in np.argsort(perm)) if perm is not None else None
+    out = torch.empty(_permuted(a.shape, inverse), dtype=_torch_dtype_of(a.dtype))
+    bits, out_bits = _bits(a), _bits(_to_numpy(out))
+    if perm is None or (perm != _OIHW_TO_HWIO and perm != (1, 0)):
+        np.copyto(out_bits, bits if inverse is None else bits.transpose(inverse))
+        return out
+    matrix = a.ndim == 2 or a.shape[:2] == (1, 1)  # a linear or 1x1 kernel: one 2-D transpose
+    if matrix and a.size >= _TORCH_TRANSPOSE_MIN and a.flags.c_contiguous:
+        i, o = a.shape[-2:]
+        with warnings.catch_warnings():  # torch only reads it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            source = torch.from_numpy(bits.reshape(i, o))
+        torch.from_numpy(out_bits.reshape(o, i)).copy_(source.t())
+        return out
+    for lo in range(0, bits.shape[-1], _BLOCK_ROWS):
+        out_bits[lo : lo + _BLOCK_ROWS] = bits[..., lo : lo + _BLOCK_ROWS].transpose(inverse)
+    return out
 
 
 def _convert_tensor(e: Entry, t: torch.Tensor | None) -> np.ndarray:
@@ -549,7 +610,7 @@ def _convert_tensor(e: Entry, t: torch.Tensor | None) -> np.ndarray:
         t = t.reshape(())  # one element, checked: what torch's load_state_dict copies (`_torch_load_shape`)
     if e.flax_path[-1] == "num_batches_tracked" and t.is_floating_point():
         t = t.to(torch.int64)  # a whole number (checked), as torch loads it; float8 has no numpy form
-    a = _permuted_copy(t, e.perm) if e.perm is not None else np.array(_to_numpy(t), copy=True)
+    a = _permuted_copy(t, e.perm) if e.perm is not None else _copy(_to_numpy(t))
     return a.astype(np.int32) if e.flax_path[-1] == "num_batches_tracked" else a
 
 
@@ -557,11 +618,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _to_torch(a: Any) -> torch.Tensor:
-    a = np.asarray(a)
-    if a.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(np.array(a, copy=True, order="C"))
+def _convert_all(entries: list[Entry], convert: Callable[[Entry], Any],
+                 sizes: Mapping[str, int]) -> Iterator[tuple[Entry, Any]]:
+    """`(e, convert(e))` for every entry, in order. The copies of big tensors (`sizes`: bytes by
+    torch key) overlap on a thread pool: a transposed copy is bound by cache misses, not by memory
+    bandwidth, so two cores convert ResNet-50 ~1.6x faster than one."""
+    big = [e for e in entries if sizes.get(e.torch_key, 0) >= _PARALLEL_MIN_BYTES]
+    big.sort(key=lambda e: -sizes[e.torch_key])  # largest first balances the threads
+    # Called from one of the pool's own threads, it converts inline: waiting there for the
+    # pool's other threads could deadlock (each of them waiting the same way).
+    pooled = len(big) > 1 and not on_host_pool()
+    futures = {e.torch_key: host_pool().submit(convert, e) for e in big} if pooled else {}
+    try:
+        for e in entries:
+            f = futures.get(e.torch_key)
+            yield e, (f.result() if f is not None else convert(e))
+    finally:  # e.g. Ctrl-C, or a failed copy: the copies not yet started are dropped
+        for f in futures.values():
+            f.cancel()
 
 
 # --- public API -------------------------------------------------------------------------------
@@ -610,31 +684,17 @@ def torch_to_flax(state_dict: Mapping[str, torch.Tensor], arch: str | None = Non
     cast = _torch_dtype(dtype)  # checked before any work
     arch = detect_arch(state_dict) if arch is None else arch  # both check `state_dict`'s type
     entries = check_state_dict(state_dict, arch, dtype=cast)
-    # The copies of big tensors overlap on a thread pool: a transposed copy is bound by cache
-    # misses, not by memory bandwidth, so two cores convert ResNet-50 ~1.6x faster than one.
     # A cast happens one tensor at a time, inside the copy: never a second copy of every weight.
     def convert(e: Entry):
         return _convert_tensor(e, _cast(e.torch_key, state_dict.get(e.torch_key), cast))
 
-    big = [e for e in entries if e.torch_key in state_dict and _nbytes(state_dict[e.torch_key]) >= _PARALLEL_MIN_BYTES]
-    big.sort(key=lambda e: -_nbytes(state_dict[e.torch_key]))  # largest first balances the threads
-    # Called from one of the pool's own threads, it converts inline: waiting there for the
-    # pool's other threads could deadlock (each of them waiting the same way).
-    pooled = len(big) > 1 and not on_host_pool()
-    futures = {e.torch_key: host_pool().submit(convert, e) for e in big} if pooled else {}
+    sizes = {e.torch_key: _nbytes(state_dict[e.torch_key]) for e in entries if e.torch_key in state_dict}
     out: dict[str, dict] = {"params": {}, "batch_stats": {}}
-    try:
-        for e in entries:
-            f = futures.get(e.torch_key)
-            a = f.result() if f is not None else convert(e)
-            node = out[e.collection]
-            for name in e.flax_path[:-1]:
-                node = node.setdefault(name, {})
-            node[e.flax_path[-1]] = a
-    except BaseException:  # e.g. Ctrl-C: the copies not yet started are dropped
-        for f in futures.values():
-            f.cancel()
-        raise
+    for e, a in _convert_all(entries, convert, sizes):
+        node = out[e.collection]
+        for name in e.flax_path[:-1]:
+            node = node.setdefault(name, {})
+        node[e.flax_path[-1]] = a
     return out
 
 
@@ -723,18 +783,16 @@ def flax_to_torch(variables: Mapping[str, Any], arch: str | None = None) -> "Ord
             raise ConversionError("`arch` is None and the variables' kernels look like no torchvision ResNet; pass "
                                   f"arch= (one of {', '.join(ARCHS)})")
     entries = _check_flat_variables(flat, arch)
-    out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for e in entries:
+
+    def convert(e: Entry) -> torch.Tensor:
         a = flat.get(e.flax_key)
         if a is None:
-            out[e.torch_key] = torch.tensor(0, dtype=torch.int64)
-            continue
-        a = np.asarray(a)
-        if e.perm is not None:
-            a = a.transpose(np.argsort(e.perm))
-        t = _to_torch(a)
-        out[e.torch_key] = t.to(torch.int64) if e.flax_path[-1] == "num_batches_tracked" else t
-    return out
+            return torch.tensor(0, dtype=torch.int64)
+        t = _unpermuted_copy(np.asarray(a), e.perm)
+        return t.to(torch.int64) if e.flax_path[-1] == "num_batches_tracked" else t
+
+    sizes = {e.torch_key: int(getattr(flat.get(e.flax_key), "nbytes", 0)) for e in entries}
+    return OrderedDict((e.torch_key, t) for e, t in _convert_all(entries, convert, sizes))
 
 
 def num_classes_of(state_dict: Mapping[str, Any]) -> int:
