@@ -195,8 +195,10 @@ def test_flax_to_torch_strict():
 def test_flax_trained_variables_export_to_torchvision():
     """Variables produced by the Flax model itself (jax arrays, int32 counter) export cleanly."""
     model = models.resnet18(num_classes=4)
-    variables = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    _, updated = model.apply(variables, jnp.ones((2, 32, 32, 3)), train=True, mutable=["batch_stats"])
+    # Jitted: run eagerly, init and the two applies compiled op by op for ~15 s.
+    variables = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    train = jax.jit(lambda v, x: model.apply(v, x, train=True, mutable=["batch_stats"]))
+    _, updated = train(variables, jnp.ones((2, 32, 32, 3)))
     variables = {"params": variables["params"], **updated}
     sd = torch_compat.flax_to_torch(variables, "resnet18")
     assert sd["bn1.num_batches_tracked"].item() == 1
@@ -205,7 +207,7 @@ def test_flax_trained_variables_export_to_torchvision():
     x = torch.randn(2, 3, 32, 32)
     with torch.no_grad():
         expected = tv.eval()(x).numpy()
-    got = model.apply(variables, jnp.asarray(x.permute(0, 2, 3, 1).numpy()))
+    got = jax.jit(model.apply)(variables, jnp.asarray(x.permute(0, 2, 3, 1).numpy()))
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
 
 
