@@ -211,7 +211,6 @@ def test_flax_trained_variables_export_to_torchvision():
     np.testing.assert_allclose(got, expected, rtol=0, atol=1e-4 * np.abs(expected).max())
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flax_to_torch_copies_read_only_and_strided_arrays_bit_for_bit(dtype):
     """`flax_to_torch` copies every array into a new tensor: read-only inputs (a jax array's
@@ -226,6 +225,7 @@ def test_flax_to_torch_copies_read_only_and_strided_arrays_bit_for_bit(dtype):
             back = torch_compat.flax_to_torch(given, "resnet18")
         for k, t in sd.items():
             assert back[k].dtype == t.dtype and back[k].is_contiguous() and torch.equal(back[k], t), k
+
 
 def _quantized(t):
     with warnings.catch_warnings():  # torch 2.14 deprecates its quantized dtypes
