@@ -504,12 +504,11 @@ def _to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-# Source rows (torch's output-channel axis) copied per block. Each block's transposed copy
-# reads _BLOCK_ROWS source rows at once and writes runs of _BLOCK_ROWS contiguous elements, so
-# the rows it reads stay in L1 until every element of their cache lines is used. Measured on
+# Slices of the moving axis (torch's output channels) copied per block by `_transpose_into`.
+# Each block reads _BLOCK_ROWS rows at once and writes runs of _BLOCK_ROWS contiguous elements,
+# so the rows it reads stay in L1 until every element of their cache lines is used. Measured on
 # ResNet-50's convs (2 cores): 32-64 rows fastest; numpy's unblocked transposed copy was 3x
 # slower, and torch's blocked 2-D `copy_` plus a second pass for 3x3 kernels ~1.2x slower.
-# `flax_to_torch` blocks the other way round: _BLOCK_ROWS output rows (the source's last axis).
 _BLOCK_ROWS = 32
 # Tensors bigger than this are converted on the thread pool (numpy releases the GIL while it
 # copies); smaller ones cost less than the hand-off.
@@ -540,37 +539,44 @@ def _bits(a: np.ndarray) -> np.ndarray:
     return a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a
 
 
-def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...]) -> np.ndarray:
-    """`np.ascontiguousarray(_to_numpy(t).transpose(perm))`, bit for bit, in a fraction of the time.
+def _transpose_into(out: np.ndarray, a: np.ndarray, perm: tuple[int, ...] | None) -> None:
+    """`out[...] = a.transpose(perm)` (`a` itself for None), bit for bit, in a fraction of numpy's time.
 
-    For the converter's layouts (conv OIHW -> HWIO, linear (O, I) -> (I, O)) torch's axis 0
-    becomes the output's last axis. numpy copies a transposed array element by element, reading
-    with the stride of a whole row: a cache miss per element. Copying `_BLOCK_ROWS` source rows
-    at a time keeps those rows in cache instead. bfloat16 is copied as its int16 bits.
+    In the converter's layouts (OIHW <-> HWIO, a linear's (O, I) <-> (I, O)) one axis moves
+    between the first and the last place. numpy copies a transposed array element by element,
+    reading with the stride of a whole row: a cache miss per element. Copying `_BLOCK_ROWS`
+    slices of the moving axis at a time keeps the rows read in cache instead; a linear or 1x1
+    kernel is one 2-D transpose, which torch's `copy_` does with a cache-blocked kernel, ~20%
+    faster. bfloat16 is copied as its int16 bits. `out` is C-contiguous; `a` is only read (it
+    may be a jax array's read-only buffer).
     """
-    t = t.detach().cpu()
-    a = _to_numpy(t)
+    a, out = _bits(a), _bits(out)
+    last = a.ndim - 1
+    if perm is None or a.ndim < 2 or (perm[-1] != 0 and perm[0] != last):
+        np.copyto(out, a if perm is None else a.transpose(perm))
+        return
+    moving = 0 if perm[-1] == 0 else last  # the axis that goes to the other end
+    n = a.shape[moving]
+    if sum(a.shape[i] > 1 for i in perm if i != moving) <= 1 and a.size >= _TORCH_TRANSPOSE_MIN \
+            and a.flags.c_contiguous:
+        with warnings.catch_warnings():  # torch only reads it
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+            source = torch.from_numpy(a.reshape(n, -1) if moving == 0 else a.reshape(-1, n))
+        torch.from_numpy(out.reshape(source.shape[::-1])).copy_(source.t())
+    elif moving == 0:
+        for lo in range(0, n, _BLOCK_ROWS):
+            out[..., lo : lo + _BLOCK_ROWS] = a[lo : lo + _BLOCK_ROWS].transpose(perm)
+    else:
+        for lo in range(0, n, _BLOCK_ROWS):
+            out[lo : lo + _BLOCK_ROWS] = a[..., lo : lo + _BLOCK_ROWS].transpose(perm)
+
+
+def _permuted_copy(t: torch.Tensor, perm: tuple[int, ...] | None) -> np.ndarray:
+    """`np.ascontiguousarray(_to_numpy(t).transpose(perm))` (a copy for None), in memory from
+    torch's allocator (`_empty`)."""
+    a = _to_numpy(t.detach().cpu())
     out = _empty(_permuted(a.shape, perm), a.dtype)
-    bits, out_bits = _bits(a), _bits(out)
-    if perm != _OIHW_TO_HWIO and perm != (1, 0):
-        np.copyto(out_bits, bits.transpose(perm))
-        return out
-    matrix = a.ndim == 2 or a.shape[2:] == (1, 1)  # a linear or 1x1 kernel: one 2-D transpose
-    if matrix and a.size >= _TORCH_TRANSPOSE_MIN and t.is_contiguous():
-        # torch's `copy_` does a big 2-D transpose with a cache-blocked kernel, ~20% faster
-        # than the numpy loop below.
-        o, i = a.shape[:2]
-        torch.from_numpy(out_bits.reshape(i, o)).copy_(torch.from_numpy(bits.reshape(o, i)).t())
-        return out
-    for lo in range(0, bits.shape[0], _BLOCK_ROWS):
-        out_bits[..., lo : lo + _BLOCK_ROWS] = bits[lo : lo + _BLOCK_ROWS].transpose(perm)
-    return out
-
-
-def _copy(a: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of `a` in memory from torch's allocator (see `_empty`)."""
-    out = _empty(a.shape, a.dtype)
-    np.copyto(_bits(out), _bits(a))
+    _transpose_into(out, a, perm)
     return out
 
 
@@ -581,25 +587,11 @@ def _torch_dtype_of(dtype: np.dtype) -> torch.dtype:
 
 
 def _unpermuted_copy(a: np.ndarray, perm: tuple[int, ...] | None) -> torch.Tensor:
-    """A torch tensor of `a.transpose(argsort(perm))` (`a` itself for None), bit for bit: the
-    inverse of `_permuted_copy`, blocked the other way round. `a` may be read-only (a jax
-    array's buffer): it is only read."""
-    inverse = tuple(int(i) for i in np.argsort(perm)) if perm is not None else None
+    """A new torch tensor of `a.transpose(argsort(perm))` (`a` itself for None): the inverse of
+    `_permuted_copy`."""
+    inverse = None if perm is None else tuple(int(i) for i in np.argsort(perm))
     out = torch.empty(_permuted(a.shape, inverse), dtype=_torch_dtype_of(a.dtype))
-    bits, out_bits = _bits(a), _bits(_to_numpy(out))
-    if perm is None or (perm != _OIHW_TO_HWIO and perm != (1, 0)):
-        np.copyto(out_bits, bits if inverse is None else bits.transpose(inverse))
-        return out
-    matrix = a.ndim == 2 or a.shape[:2] == (1, 1)  # a linear or 1x1 kernel: one 2-D transpose
-    if matrix and a.size >= _TORCH_TRANSPOSE_MIN and a.flags.c_contiguous:
-        i, o = a.shape[-2:]
-        with warnings.catch_warnings():  # torch only reads it
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
-            source = torch.from_numpy(bits.reshape(i, o))
-        torch.from_numpy(out_bits.reshape(o, i)).copy_(source.t())
-        return out
-    for lo in range(0, bits.shape[-1], _BLOCK_ROWS):
-        out_bits[lo : lo + _BLOCK_ROWS] = bits[..., lo : lo + _BLOCK_ROWS].transpose(inverse)
+    _transpose_into(_to_numpy(out), a, inverse)
     return out
 
 
@@ -610,7 +602,7 @@ def _convert_tensor(e: Entry, t: torch.Tensor | None) -> np.ndarray:
         t = t.reshape(())  # one element, checked: what torch's load_state_dict copies (`_torch_load_shape`)
     if e.flax_path[-1] == "num_batches_tracked" and t.is_floating_point():
         t = t.to(torch.int64)  # a whole number (checked), as torch loads it; float8 has no numpy form
-    a = _permuted_copy(t, e.perm) if e.perm is not None else _copy(_to_numpy(t))
+    a = _permuted_copy(t, e.perm)
     return a.astype(np.int32) if e.flax_path[-1] == "num_batches_tracked" else a
 
 
