@@ -1,7 +1,8 @@
-"""The fast layout change in torch_to_flax equals numpy's transpose bit for bit.
+"""The fast layout changes of torch_to_flax and flax_to_torch equal numpy's transpose bit for bit.
 
 `_permuted_copy(t, perm)` replaced `np.ascontiguousarray(t.numpy().transpose(perm))` to make
-porting 2-3x faster (benchmarks/bench_port.py); these tests hold it to that equation.
+porting 2-3x faster (benchmarks/bench_port.py), and `_unpermuted_copy(a, perm)` the copy of
+`a.transpose(argsort(perm))` in flax_to_torch; these tests hold them to those equations.
 """
 import ml_dtypes
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 import torch_compat
-from torch_compat._convert import _permuted_copy, _to_numpy
+from torch_compat._convert import _permuted_copy, _to_numpy, _unpermuted_copy
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 SHAPES = [
@@ -36,6 +37,19 @@ def test_permuted_copy_equals_numpy_transpose(shape, perm, dtype):
     assert got.shape == expected.shape
     assert got.flags.c_contiguous and got.flags.writeable
     assert got.tobytes() == expected.tobytes()
+
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape,perm", SHAPES, ids=str)
+def test_unpermuted_copy_equals_numpy_transpose_back(shape, perm, dtype):
+    """The Flax-layout array (read-only, as a jax array's buffer) back to torch's layout."""
+    t = (torch.randn(shape, dtype=torch.float64) * 100).to(dtype)
+    flax = np.ascontiguousarray(_to_numpy(t).transpose(perm))
+    flax.flags.writeable = False
+    got = _unpermuted_copy(flax, perm)
+    assert got.dtype == t.dtype and got.shape == t.shape and got.is_contiguous()
+    assert _to_numpy(got).tobytes() == _to_numpy(t.contiguous()).tobytes()
 
 
 def test_permuted_copy_of_non_contiguous_tensor():
