@@ -9,19 +9,33 @@ eager and torch.compile, channels_last, autocast bf16.
         # `jaxport train`'s default model and batch (the digits at 32 px)
     python benchmarks/bench_train.py --configs 32x128 --accum-steps 4
         # gradient accumulation: 4 passes of 8 a step, against torch's accumulation loop
+    python benchmarks/bench_train.py --malloc keep        # both sides with glibc keeping freed memory
     python benchmarks/bench_train.py --gpu --configs 256x224  # on a GPU machine
     python benchmarks/bench_train.py --gpu --configs 256x224 --custom-vjps true --skip-torch
         # the hand-written VJPs on the GPU, with its 1x1 convs as lax.conv: never run there
         # (with the 1x1 convs as dots, as the model had them before, jax 0.11.2 aborted compiling)
 
 Prints one line per configuration and writes JSON to --out if given. `jax_compile_s` is the
-first step's time less a timed step's (the first step compiles); `device` is jax's device kind.
+first step's time less a timed step's (the first step compiles); `device` is jax's device kind;
+`*_faults_per_step` are the process's minor page faults over the timed steps, per step.
+
+Why the faults are counted: XLA:CPU allocates each execution's temporary buffer (745 MB for
+ResNet-50's step at 16 x 128 px) with `posix_memalign` and frees it at the end; glibc serves
+any request over 32 MiB with a fresh `mmap` and returns it with `munmap`, so every step faults
+all of it in again, zero-filled (~190k faults, ~0.5 s of system time a step on a 2-core VM).
+torch's eager step frees and re-allocates its activations the same way, fewer of them.
+`--malloc keep` re-runs the script with glibc's allocator told to keep freed memory for reuse
+(`MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<1 TiB>`: one arena, no mmap,
+no trimming), for both frameworks alike, at the price of a process that never gives memory
+back. It took torch's faults to zero, and jax's only in part (benchmarks/README.md, section 4).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
+import resource
 import sys
 import time
 
@@ -29,6 +43,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _argtypes import batch_x_size, positive_int, usable_cores  # noqa: E402
 from jaxport.models import ARCHS  # noqa: E402
+
+
+# One arena (the 745 MB request of an XLA worker thread would otherwise take its own mmap),
+# never mmap, never trim: freed memory stays in the heap for the next step's requests.
+_KEEP_FREED = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+
+
+def _malloc_in_effect() -> str:
+    # What this process runs under (after --malloc keep's re-run), not what was asked for.
+    return "keep" if all(os.environ.get(k) == v for k, v in _KEEP_FREED.items()) else "system"
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def _parse():
@@ -49,12 +77,21 @@ def _parse():
                    help="passes per step (make_train_step(accum_steps=)); torch runs its accumulation loop: "
                         "(loss / N).backward() per chunk, then step() (default 1)")
     p.add_argument("--skip-torch", action="store_true")
+    p.add_argument("--malloc", choices=["system", "keep"], default="system",
+                   help="glibc's allocator as the system sets it, or told to keep freed memory (both frameworks; "
+                        "Linux with glibc only; see the docstring)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.configs = args.configs or ([(256, 224)] if args.gpu else [(16, 128), (32, 224)])
     for batch, _ in args.configs:
         if batch % args.accum_steps:
             p.error(f"--accum-steps {args.accum_steps} must divide every --configs batch (got {batch})")
+    if args.malloc == "keep" and _malloc_in_effect() != "keep":
+        if platform.libc_ver()[0] != "glibc":
+            p.error("--malloc keep: needs Linux with glibc (its MALLOC_* settings)")
+        # glibc reads these once, as the process starts: run this script again under them.
+        env = {**os.environ, **_KEEP_FREED}
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if args.gpu:
         import jax
 
@@ -88,12 +125,12 @@ def bench_jax(batch, size, steps, warmup, bf16, custom_vjps=None, arch="resnet50
     for _ in range(warmup - 1):
         state, m = step(state, x, y)
     jax.block_until_ready(m)
-    t = time.perf_counter()
+    faults, t = _faults(), time.perf_counter()
     for _ in range(steps):
         state, m = step(state, x, y)
     jax.block_until_ready((state, m))
     elapsed = time.perf_counter() - t
-    return batch * steps / elapsed, max(0.0, first_s - elapsed / steps)
+    return batch * steps / elapsed, max(0.0, first_s - elapsed / steps), (_faults() - faults) / steps
 
 
 def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", classes=1000, accum=1):
@@ -124,12 +161,12 @@ def bench_torch(batch, size, steps, warmup, gpu, compiled, arch="resnet50", clas
         fn()
     if gpu:
         torch.cuda.synchronize()
-    t = time.perf_counter()
+    faults, t = _faults(), time.perf_counter()
     for _ in range(steps):
         fn()
     if gpu:
         torch.cuda.synchronize()
-    return batch * steps / (time.perf_counter() - t)
+    return batch * steps / (time.perf_counter() - t), (_faults() - faults) / steps
 
 
 def main():
@@ -142,19 +179,20 @@ def main():
     rows = []
     for batch, size in configs:
         custom_vjps = {"auto": None, "true": True, "false": False}[args.custom_vjps]
-        jax_ips, compile_s = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps, args.arch,
-                                       args.classes, args.accum_steps)
+        jax_ips, compile_s, jax_faults = bench_jax(batch, size, args.steps, args.warmup, args.gpu, custom_vjps,
+                                                   args.arch, args.classes, args.accum_steps)
         row = {"device": jax.devices()[0].device_kind, "arch": args.arch, "batch": batch, "size": size,
                "accum_steps": args.accum_steps, "custom_vjps": args.custom_vjps, "jax_img_s": jax_ips,
-               "jax_compile_s": compile_s}
+               "jax_compile_s": compile_s, "malloc": _malloc_in_effect(), "jax_faults_per_step": round(jax_faults)}
         # Printed before torch runs: torch.compile's compile can outlast a GPU lease's time limit.
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
         if not args.skip_torch:
-            row["torch_eager_img_s"] = bench_torch(batch, size, args.steps, args.warmup, args.gpu, False,
-                                                   args.arch, args.classes, args.accum_steps)
+            row["torch_eager_img_s"], torch_faults = bench_torch(batch, size, args.steps, args.warmup, args.gpu,
+                                                                 False, args.arch, args.classes, args.accum_steps)
+            row["torch_faults_per_step"] = round(torch_faults)
             if args.gpu:
-                row["torch_compiled_img_s"] = bench_torch(batch, size, args.steps, args.warmup, True, True,
-                                                          args.arch, args.classes, args.accum_steps)
+                row["torch_compiled_img_s"], _ = bench_torch(batch, size, args.steps, args.warmup, True, True,
+                                                             args.arch, args.classes, args.accum_steps)
             row["speedup_vs_eager"] = jax_ips / row["torch_eager_img_s"]
         rows.append(row)
         print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)

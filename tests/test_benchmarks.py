@@ -6,6 +6,7 @@ quotes. Without this a change to the library could break a script unnoticed unti
 measuring session.
 """
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+GLIBC = platform.libc_ver()[0] == "glibc"
 
 CASES = {
     "bench_ops.py": (["--shapes", "4x64", "--repeats", "1"],
@@ -21,9 +23,12 @@ CASES = {
                       ["load_state_dict(mmap=True) + torch_to_flax", "goal <= 1.5x: ", "goal <= 2.5x: "]),
     "bench_inference.py": (["--batch", "1", "--repeats", "1", "--size", "32", "--torch-threads", "1"],
                            ["torch eager (1 thr)", "x-same", "jax-folded"]),
-    # in 2 passes of 2 (jax's accumulating step, and torch's loop over chunks)
+    # in 2 passes of 2 (jax's accumulating step, and torch's loop over chunks); with glibc, run
+    # again by itself under the allocator settings of --malloc keep
     "bench_train.py": (["--arch", "resnet18", "--classes", "10", "--configs", "4x32", "--accum-steps", "2", "--steps",
-                        "1", "--warmup", "1", "--threads", "1"], ['"accum_steps": 2', '"speedup_vs_eager": ']),
+                        "1", "--warmup", "1", "--threads", "1", *(["--malloc", "keep"] if GLIBC else [])],
+                       ['"accum_steps": 2', '"speedup_vs_eager": ', '"torch_faults_per_step": ',
+                        '"malloc": "keep"' if GLIBC else '"malloc": "system"']),
 }
 
 
