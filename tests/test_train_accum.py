@@ -90,7 +90,8 @@ def _small(sync_bn=False):
 
 @functools.lru_cache
 def _small_variables():
-    return jax.device_get(_small().init(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32)))
+    # Jitted: eagerly, threefry's sampler compiled once per parameter shape (~25 s under load).
+    return jax.device_get(jax.jit(_small().init)(jax.random.key(0), np.zeros((1, 16, 16, 3), np.float32)))
 
 
 def _run_small(devices, k, sync_bn=False, steps=2, batch=16, **options):
